@@ -1,0 +1,98 @@
+"""Command-line management: `flask keys ...` for API keys and `flask quickstart` for a first run."""
+
+from datetime import UTC, datetime
+
+import click
+from flask import current_app
+from flask.cli import AppGroup, with_appcontext
+from flask_migrate import upgrade
+from sqlalchemy.exc import IntegrityError
+from werkzeug.serving import run_simple
+
+from animal_store.auth import issue_key
+from animal_store.extensions import db
+from animal_store.models import ApiKey
+
+keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
+
+
+@keys_cli.command("create")
+@click.argument("name")
+def create_key(name):
+    """Create an API key called NAME and print it; it is shown only this once."""
+    if not 1 <= len(name) <= 100:
+        raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
+    api_key, key = issue_key(name)
+    try:
+        db.session.commit()
+    except IntegrityError:
+        raise click.ClickException(f"A key named {name!r} exists already.") from None
+    click.echo(f"Created API key {name!r} ({api_key.prefix}...). Store it now: it is shown once.")
+    click.echo(key)
+
+
+@keys_cli.command("list")
+def list_keys():
+    """Show every key's name, visible prefix, times and whether it is revoked, never the key."""
+    rows = [("NAME", "PREFIX", "CREATED", "LAST USED", "REVOKED")]
+    for api_key in db.session.scalars(db.select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)):
+        rows.append(
+            (
+                api_key.name,
+                api_key.prefix + "...",
+                format_time(api_key.created_at),
+                format_time(api_key.last_used_at),
+                format_time(api_key.revoked_at) if api_key.revoked_at else "no",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+@keys_cli.command("revoke")
+@click.argument("name")
+def revoke_key(name):
+    """Revoke the key called NAME; requests with it are refused from then on."""
+    api_key = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
+    if api_key is None:
+        raise click.ClickException(f"No key named {name!r}.")
+    if api_key.revoked_at is not None:
+        raise click.ClickException(f"The key {name!r} was revoked already.")
+    api_key.revoked_at = datetime.now(UTC)
+    db.session.commit()
+    click.echo(f"Revoked API key {name!r}.")
+
+
+@click.command("quickstart")
+@with_appcontext
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=5000, show_default=True)
+def quickstart(host, port):
+    """Create or upgrade the database, make an API key, and run the development server."""
+    upgrade()
+    name = "quickstart-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    _, key = issue_key(name)
+    db.session.commit()
+    click.echo(f"Database: {db.engine.url.render_as_string()}")
+    click.echo(f"API key {name!r} (shown only now): {key}")
+    click.echo("Try, from another terminal:")
+    click.echo(
+        f"  curl -i -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+        f"""-d '{{"name": "Rex", "categoryId": 1, "status": "available"}}' """
+        f"http://{host}:{port}/v1/pets"
+    )
+    click.echo(f"  curl -H 'Authorization: Bearer {key}' http://{host}:{port}/v1/pets")
+    # Threaded: each request runs in its own thread with its own app context.
+    run_simple(host, port, current_app._get_current_object(), threaded=True)
+
+
+def format_time(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "never"
+
+
+def register_commands(app):
+    app.cli.add_command(keys_cli)
+    app.cli.add_command(quickstart)

@@ -1,0 +1,39 @@
+"""Extension objects, created unbound and bound to an app in create_app."""
+
+from flask_migrate import Migrate
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import event
+from sqlalchemy.orm import DeclarativeBase
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+db = SQLAlchemy(model_class=Base)
+migrate = Migrate()
+
+
+def tune_sqlite_connections(app) -> None:
+    """Set up every new SQLite connection so several workers can write without 'locked' errors."""
+    with app.app_context():
+        engine = db.engine
+    if engine.dialect.name != "sqlite":
+        return
+    busy_timeout_ms = int(app.config["SQLITE_BUSY_TIMEOUT"] * 1000)
+    pragmas = (
+        # Readers never block the writer and the writer never blocks readers.
+        "PRAGMA journal_mode=WAL",
+        # Wait for the writer ahead instead of failing at once with "database is locked".
+        f"PRAGMA busy_timeout={busy_timeout_ms}",
+        "PRAGMA foreign_keys=ON",
+        # FULL: a committed animal survives a power loss, not just a process crash (README).
+        "PRAGMA synchronous=FULL",
+    )
+
+    @event.listens_for(engine, "connect")
+    def apply_pragmas(dbapi_connection, _connection_record):
+        cursor = dbapi_connection.cursor()
+        for pragma in pragmas:
+            cursor.execute(pragma)
+        cursor.close()

@@ -1,0 +1,49 @@
+"""Alembic environment: runs the migrations on the engine of the current Flask app."""
+
+import logging
+from logging.config import fileConfig
+
+from alembic import context
+from flask import current_app
+
+config = context.config
+# Keep the loggers the app (or the test run) configured before the migration started.
+fileConfig(config.config_file_name, disable_existing_loggers=False)
+logger = logging.getLogger("alembic.env")
+
+db = current_app.extensions["migrate"].db
+config.set_main_option(
+    "sqlalchemy.url", db.engine.url.render_as_string(hide_password=False).replace("%", "%%")
+)
+
+
+def run_migrations_offline():
+    """Print the SQL for the migrations instead of running it."""
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        literal_binds=True,
+        target_metadata=db.metadata,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online():
+    def skip_empty_autogenerate(context_, revision, directives):
+        if getattr(config.cmd_opts, "autogenerate", False) and directives[0].upgrade_ops.is_empty():
+            directives[:] = []
+            logger.info("No changes in schema detected.")
+
+    conf_args = current_app.extensions["migrate"].configure_args
+    conf_args.setdefault("process_revision_directives", skip_empty_autogenerate)
+    with db.engine.connect() as connection:
+        # Flask-Migrate's configure_args include render_as_batch, which SQLite needs for ALTERs.
+        context.configure(connection=connection, target_metadata=db.metadata, **conf_args)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

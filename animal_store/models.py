@@ -1,0 +1,52 @@
+"""Storage: the animals and the API keys, portable between SQLite and PostgreSQL."""
+
+from datetime import UTC, datetime
+
+from sqlalchemy import BigInteger, DateTime, Enum, Identity, Integer, LargeBinary, String
+from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from animal_store.extensions import db
+
+# BIGINT identity on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the 64-bit rowid.
+Int64Id = BigInteger().with_variant(Integer, "sqlite")
+
+PET_STATUSES = ("available", "pending", "sold")
+
+
+class UTCDateTime(TypeDecorator):
+    """An aware UTC datetime on every backend; SQLite alone would hand back naive ones."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value, dialect):
+        return None if value is None else value.replace(tzinfo=value.tzinfo or UTC)
+
+
+class Pet(db.Model):
+    __tablename__ = "pets"
+
+    id: Mapped[int] = mapped_column(Int64Id, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    category_id: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str | None] = mapped_column(
+        Enum(*PET_STATUSES, name="pet_status", native_enum=False, create_constraint=True)
+    )
+
+
+class ApiKey(db.Model):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Int64Id, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    # The first characters of the key, enough for a person to tell keys apart.
+    prefix: Mapped[str] = mapped_column(String(16))
+    # SHA-256 of the whole key; the key itself is never stored.
+    key_hash: Mapped[bytes] = mapped_column(LargeBinary(32), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

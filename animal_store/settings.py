@@ -1,0 +1,49 @@
+"""Where settings come from: package defaults, the deployment's file, then the environment."""
+
+import os
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+# config/ beside the package, in the checkout that gunicorn runs from.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+def load_settings(app, test_config=None) -> None:
+    """Fill app.config; a deployment whose secrets are missing stops here, at boot."""
+    app.config.from_object("animal_store.default_settings")
+    if test_config is not None:
+        app.config.from_mapping(test_config)
+    else:
+        load_deployment_settings(app)
+    app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
+
+
+def load_deployment_settings(app) -> None:
+    environment = os.environ.get("ANIMAL_STORE_ENV")
+    if environment:
+        settings_file = CONFIG_DIR / f"{environment}.py"
+        if not settings_file.is_file():
+            raise RuntimeError(f"ANIMAL_STORE_ENV={environment!r} has no file {settings_file}.")
+        try:
+            app.config.from_pyfile(settings_file)
+        except KeyError as missing:
+            raise RuntimeError(
+                f"ANIMAL_STORE_ENV={environment!r} needs {missing} in the environment."
+            ) from None
+    elif "DATABASE_URL" in os.environ:
+        app.config["DATABASE_URL"] = os.environ["DATABASE_URL"]
+    # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses.
+    app.config.from_prefixed_env("ANIMAL_STORE")
+
+
+def database_uri(app) -> str:
+    url = app.config["DATABASE_URL"]
+    if not url:
+        os.makedirs(app.instance_path, exist_ok=True)
+        return "sqlite:///" + os.path.join(app.instance_path, app.config["SQLITE_FILENAME"])
+    parsed = make_url(url)
+    # A plain postgresql:// (or Heroku-style postgres://) URL means psycopg 3, our driver.
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)

@@ -1,0 +1,223 @@
+"""Fixtures: a fresh, migrated database per test (SQLite file, or PostgreSQL via TEST_DATABASE_URL),
+the app and its clients, API keys, sample animals, and live gunicorn servers."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import sqlalchemy as sa
+from flask_migrate import upgrade
+
+from animal_store import create_app
+from animal_store.auth import issue_key
+from animal_store.extensions import db
+from animal_store.models import Pet
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
+
+
+def migrate_to_head(database_url):
+    app = create_app({"DATABASE_URL": database_url})
+    with app.app_context():
+        upgrade()
+        db.engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def migrated_database(tmp_path_factory):
+    """Migrate once per run: a template SQLite file to copy, or the PostgreSQL test database."""
+    if TEST_DATABASE_URL:
+        engine = sa.create_engine(
+            create_app({"DATABASE_URL": TEST_DATABASE_URL}).config["SQLALCHEMY_DATABASE_URI"]
+        )
+        try:
+            with engine.begin() as connection:
+                connection.execute(sa.text("DROP SCHEMA public CASCADE"))
+                connection.execute(sa.text("CREATE SCHEMA public"))
+        except sa.exc.OperationalError as error:
+            pytest.exit(f"TEST_DATABASE_URL is set but PostgreSQL does not answer: {error}", 2)
+        finally:
+            engine.dispose()
+        migrate_to_head(TEST_DATABASE_URL)
+        return TEST_DATABASE_URL
+    template = tmp_path_factory.mktemp("template") / "store.sqlite3"
+    migrate_to_head(f"sqlite:///{template}")
+    return template
+
+
+@pytest.fixture
+def database_url(migrated_database, tmp_path):
+    """An empty database at the latest migration, just for this test."""
+    if TEST_DATABASE_URL:
+        engine = sa.create_engine(
+            create_app({"DATABASE_URL": TEST_DATABASE_URL}).config["SQLALCHEMY_DATABASE_URI"]
+        )
+        with engine.begin() as connection:
+            tables = ", ".join(t for t in db.metadata.tables)
+            connection.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        engine.dispose()
+        return TEST_DATABASE_URL
+    database_file = tmp_path / "store.sqlite3"
+    shutil.copyfile(migrated_database, database_file)
+    return f"sqlite:///{database_file}"
+
+
+@pytest.fixture
+def make_app(database_url):
+    """Create apps on the test's database with settings overridden; their pools close after."""
+    apps = []
+
+    def make(**settings):
+        apps.append(create_app({"TESTING": True, "DATABASE_URL": database_url, **settings}))
+        return apps[-1]
+
+    yield make
+    for app in apps:
+        with app.app_context():
+            db.engine.dispose()
+
+
+@pytest.fixture
+def app(make_app):
+    return make_app()
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def runner(app):
+    return app.test_cli_runner()
+
+
+@pytest.fixture
+def make_key(app):
+    """Create an API key and return the key itself."""
+
+    def make(name="tester"):
+        with app.app_context():
+            _, key = issue_key(name)
+            db.session.commit()
+        return key
+
+    return make
+
+
+@pytest.fixture
+def api_key(make_key):
+    return make_key()
+
+
+@pytest.fixture
+def auth(api_key):
+    """Headers that authenticate as a valid key."""
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture
+def make_pet(app):
+    """Store an animal directly and return its id."""
+
+    def make(**overrides):
+        fields = {"name": "Rex", "category_id": 1, "status": "available"} | overrides
+        with app.app_context():
+            pet = Pet(**fields)
+            db.session.add(pet)
+            db.session.commit()
+            return pet.id
+
+    return make
+
+
+@pytest.fixture
+def count_pets(app):
+    def count():
+        with app.app_context():
+            return db.session.scalar(sa.select(sa.func.count()).select_from(Pet))
+
+    return count
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Gunicorn:
+    """A real gunicorn serving wsgi:app with the production config on a loopback port."""
+
+    def __init__(self, database_url, workers=2, env=None, log_path=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        environment = {**os.environ, "DATABASE_URL": database_url, **(env or {})}
+        self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "-c",
+                "config/gunicorn.conf.py",
+                "wsgi:app",
+                "--bind",
+                f"127.0.0.1:{self.port}",
+                "--workers",
+                str(workers),
+            ],
+            cwd=PROJECT_DIR,
+            env=environment,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_until_serving(self, timeout=20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gunicorn exited: {self.log()}")
+            try:
+                requests.get(self.url + "/", timeout=1)
+                return self
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"gunicorn did not serve within {timeout}s: {self.log()}")
+
+    def log(self):
+        return Path(self.log_path).read_text(errors="replace")
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log_file.close()
+
+
+@pytest.fixture
+def start_gunicorn(database_url, tmp_path):
+    """Start gunicorn servers on the test's database; every one is stopped by PID afterwards."""
+    servers = []
+
+    def start(workers=2, env=None, wait=True):
+        server = Gunicorn(database_url, workers, env, tmp_path / f"gunicorn-{len(servers)}.log")
+        servers.append(server)
+        return server.wait_until_serving() if wait else server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,64 @@
+"""`flask keys create/list/revoke`: the only way keys are made and retired."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+
+def test_keys_create_prints_a_working_key_as_last_line(client, runner):
+    result = runner.invoke(args=["keys", "create", "shop-frontend"])
+    assert result.exit_code == 0
+    key = result.output.strip().splitlines()[-1]
+    assert key.startswith("ask_")
+    assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_keys_create_refuses_a_taken_name(runner):
+    assert runner.invoke(args=["keys", "create", "shop"]).exit_code == 0
+    result = runner.invoke(args=["keys", "create", "shop"])
+    assert result.exit_code != 0
+    assert "exists already" in result.output
+
+
+@pytest.mark.parametrize("name", ["", "x" * 101])
+def test_keys_create_refuses_bad_names(runner, name):
+    result = runner.invoke(args=["keys", "create", name])
+    assert result.exit_code != 0
+
+
+def test_keys_list_shows_metadata_never_the_key(client, runner):
+    key = runner.invoke(args=["keys", "create", "alpha"]).output.strip().splitlines()[-1]
+    runner.invoke(args=["keys", "create", "beta"])
+    client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"})
+    runner.invoke(args=["keys", "revoke", "beta"])
+    result = runner.invoke(args=["keys", "list"])
+    assert result.exit_code == 0
+    assert key not in result.output
+    assert key[4:20] not in result.output
+    header, alpha, beta = result.output.strip().splitlines()
+    assert header.split() == ["NAME", "PREFIX", "CREATED", "LAST", "USED", "REVOKED"]
+    today = datetime.now(UTC).strftime("%Y-%m-%d")
+    assert alpha.startswith("alpha")
+    assert key[:10] + "..." in alpha
+    assert alpha.count(today) == 2
+    assert alpha.endswith("no")
+    assert beta.startswith("beta")
+    assert "never" in beta
+    assert not beta.endswith("no")
+
+
+def test_keys_revoke_unknown_or_twice_fails(runner):
+    assert runner.invoke(args=["keys", "revoke", "ghost"]).exit_code != 0
+    runner.invoke(args=["keys", "create", "once"])
+    assert runner.invoke(args=["keys", "revoke", "once"]).exit_code == 0
+    result = runner.invoke(args=["keys", "revoke", "once"])
+    assert result.exit_code != 0
+    assert "revoked already" in result.output
+
+
+def test_format_time_is_utc():
+    from animal_store.cli import format_time
+
+    moment = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC) + timedelta(0)
+    assert format_time(moment) == "2026-01-02 03:04:05 UTC"
+    assert format_time(None) == "never"

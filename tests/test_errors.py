@@ -1,0 +1,90 @@
+"""Every failure is the error object {code, message, status} as JSON, never an HTML page."""
+
+import logging
+
+import pytest
+import sqlalchemy as sa
+
+from animal_store.extensions import db
+from animal_store.models import Pet
+
+
+def assert_error_object(response, status, code):
+    assert response.status_code == status
+    assert response.content_type == "application/json"
+    body = response.get_json()
+    assert body["code"] == code
+    assert body["status"] == status
+    assert isinstance(body["message"], str)
+    assert body["message"]
+    return body
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/",
+        "/v1",
+        "/v1/",
+        "/v1/pets/",
+        "/v1/pets/1/",
+        "/v2/pets",
+        "/v1/store/orders",
+        "/v1/pets/1/photos",
+    ],
+)
+def test_unknown_route_returns_404_error_object(client, auth, path):
+    assert_error_object(client.get(path, headers=auth), 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("DELETE", "/v1/pets", "GET, HEAD, OPTIONS, POST"),
+        ("PUT", "/v1/pets", "GET, HEAD, OPTIONS, POST"),
+        ("PATCH", "/v1/pets", "GET, HEAD, OPTIONS, POST"),
+        ("POST", "/v1/pets/1", "GET, HEAD, OPTIONS"),
+        ("DELETE", "/v1/pets/1", "GET, HEAD, OPTIONS"),
+    ],
+)
+def test_unsupported_method_returns_405_with_allow(client, auth, method, path, allowed):
+    response = client.open(path, method=method, headers=auth)
+    body = assert_error_object(response, 405, "method_not_allowed")
+    assert sorted(response.headers["Allow"].split(", ")) == allowed.split(", ")
+    assert method in body["message"]
+
+
+@pytest.fixture
+def failing_app(app):
+    """The app with two extra routes that fail the way real bugs do."""
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("secret connection string postgres://u:p@db")
+
+    @app.get("/broken-write")
+    def broken_write():
+        db.session.add(Pet(name="half", category_id=1))
+        db.session.flush()
+        db.session.execute(sa.text("SELECT * FROM no_such_table"))
+
+    return app
+
+
+def test_unexpected_exception_returns_500_without_details(failing_app, caplog):
+    with caplog.at_level(logging.ERROR):
+        response = failing_app.test_client().get("/boom")
+    body = assert_error_object(response, 500, "internal_error")
+    assert "secret" not in response.get_data(as_text=True)
+    assert body["message"] == "The server failed to handle the request."
+    assert "RuntimeError: secret connection string" in caplog.text
+    assert "Traceback" in caplog.text
+
+
+def test_failed_request_leaves_session_clean(failing_app, client, auth, count_pets):
+    client = failing_app.test_client()
+    assert_error_object(client.get("/broken-write"), 500, "internal_error")
+    assert count_pets() == 0
+    response = client.post("/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth)
+    assert response.status_code == 201
+    assert count_pets() == 1

@@ -1,0 +1,95 @@
+"""End to end: the shipped gunicorn config serving wsgi:app on a loopback port, over real HTTP."""
+
+import os
+import subprocess
+import sys
+
+import requests
+from conftest import PROJECT_DIR
+
+
+def test_first_session_over_http(start_gunicorn, api_key):
+    server = start_gunicorn(workers=2)
+    auth = {"Authorization": f"Bearer {api_key}"}
+
+    created = requests.post(
+        f"{server.url}/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth, timeout=10
+    )
+    assert created.status_code == 201
+    pet = created.json()
+    assert created.headers["Location"] == f"{server.url}/v1/pets/{pet['id']}"
+
+    listed = requests.get(f"{server.url}/v1/pets", headers=auth, timeout=10)
+    assert listed.json() == [pet]
+
+    fetched = requests.get(created.headers["Location"], headers=auth, timeout=10)
+    assert fetched.json() == pet
+    assert fetched.headers["Sunset"] == "Thu, 05 Dec 2030 00:00:00 GMT"
+
+    unauthorized = requests.get(f"{server.url}/v1/pets", timeout=10)
+    assert unauthorized.status_code == 401
+    assert unauthorized.headers["Content-Type"] == "application/json"
+    assert unauthorized.json()["code"] == "unauthorized"
+
+    missing = requests.get(f"{server.url}/nowhere", headers=auth, timeout=10)
+    assert missing.status_code == 404
+    assert missing.json() == {
+        "code": "not_found",
+        "message": "No resource at /nowhere.",
+        "status": 404,
+    }
+
+
+def test_writes_from_several_workers_all_land(start_gunicorn, api_key, count_pets):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = start_gunicorn(workers=3)
+    auth = {"Authorization": f"Bearer {api_key}"}
+
+    def create(n):
+        return requests.post(
+            f"{server.url}/v1/pets",
+            json={"name": f"pet{n}", "categoryId": n},
+            headers=auth,
+            timeout=30,
+        ).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(create, range(200)))
+    assert statuses == [201] * 200
+    assert count_pets() == 200
+
+
+def test_command_line_workers_override_the_config(start_gunicorn):
+    server = start_gunicorn(workers=3)
+    workers = subprocess.run(
+        ["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    assert len(workers) == 3
+
+
+def test_production_start_without_database_url_fails_loudly(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    environment["ANIMAL_STORE_ENV"] = "production"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            "config/gunicorn.conf.py",
+            "wsgi:app",
+            "--bind",
+            "127.0.0.1:0",
+            "--workers",
+            "1",
+        ],
+        cwd=PROJECT_DIR,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "needs 'DATABASE_URL' in the environment" in result.stdout + result.stderr
