@@ -9,6 +9,7 @@ from animal_store.cli import register_commands
 from animal_store.errors import register_error_handlers
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.json_provider import OrjsonProvider
+from animal_store.openapi import register_openapi
 from animal_store.settings import load_settings
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
@@ -24,5 +25,6 @@ def create_app(test_config=None):
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     register_error_handlers(app)
     app.register_blueprint(pets.bp, url_prefix="/v1")
+    register_openapi(app)
     register_commands(app)
     return app

@@ -24,3 +24,10 @@ GET_PET_DEPRECATION = {
 
 # Each API key's last-used time is written at most this often, not on every request.
 KEY_LAST_USED_RESOLUTION = 60
+
+# The servers listed in the OpenAPI document, each ending in /v1. The spec leaves the addresses
+# open: a deployment sets its own (ANIMAL_STORE_OPENAPI_SERVERS='[{"url": ...}]').
+OPENAPI_SERVERS = [
+    {"url": "https://api.animal-store.example/v1", "description": "Production"},
+    {"url": "https://staging.api.animal-store.example/v1", "description": "Staging"},
+]

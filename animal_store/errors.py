@@ -4,6 +4,7 @@ from flask import current_app, request
 from werkzeug.exceptions import HTTPException, InternalServerError
 
 from animal_store.extensions import db
+from animal_store.schemas import ErrorSchema
 
 # Stable codes for the HTTP errors Flask and Werkzeug raise on their own.
 HTTP_ERROR_CODES = {
@@ -22,6 +23,10 @@ HTTP_ERROR_CODES = {
 KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
 
 
+# The body goes through the schema the OpenAPI document shows, so the two cannot differ.
+error_schema = ErrorSchema()
+
+
 class APIError(Exception):
     """An error the API answers on purpose, with its own code and message."""
 
@@ -38,7 +43,7 @@ def error_response(status, code, message, errors=None, headers=None):
     body = {"code": code, "message": message, "status": status}
     if errors:
         body["errors"] = errors
-    return current_app.json.response(body), status, headers or {}
+    return current_app.json.response(error_schema.dump(body)), status, headers or {}
 
 
 def handle_api_error(error: APIError):

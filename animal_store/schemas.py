@@ -28,6 +28,18 @@ class QueryInteger(fields.Integer):
         return int(value)
 
 
+# validate_name's rule as a regular expression, for the OpenAPI document: at least one character
+# that is neither whitespace nor a control character, and no control characters (C0, DEL, C1) or
+# lone surrogates anywhere. Spelled with explicit ranges, not \s or \p{Cc}, so that Python's re
+# and ECMA-262 (what JSON Schema validators and generators use) read it the same way; the
+# whitespace listed is exactly what str.strip() removes, control characters aside.
+NAME_PATTERN = (
+    r"^[^\u0000-\u001f\u007f-\u009f\ud800-\udfff]*"
+    r"[^\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ud800-\udfff]"
+    r"[^\u0000-\u001f\u007f-\u009f\ud800-\udfff]*$"
+)
+
+
 def validate_name(name: str) -> None:
     if not name.strip():
         raise ValidationError("Must not be blank.")
@@ -37,10 +49,27 @@ def validate_name(name: str) -> None:
 
 
 class PetSchema(Schema):
-    id = Int64(dump_only=True)
-    name = fields.String(required=True, validate=[validate.Length(min=1, max=255), validate_name])
-    category_id = Int64(required=True, data_key="categoryId")
-    status = fields.String(validate=validate.OneOf(PET_STATUSES))
+    id = Int64(dump_only=True, required=True, metadata={"description": "Assigned by the store."})
+    name = fields.String(
+        required=True,
+        validate=[validate.Length(min=1, max=255), validate_name],
+        metadata={
+            "pattern": NAME_PATTERN,
+            "description": "1 to 255 characters, not only whitespace, no control characters.",
+        },
+    )
+    category_id = Int64(
+        required=True,
+        data_key="categoryId",
+        metadata={
+            "description": "A JSON integer written without a fraction or exponent: "
+            "1.0 and 1e3 are refused (400) although JSON Schema's integer type admits them."
+        },
+    )
+    status = fields.String(
+        validate=validate.OneOf(PET_STATUSES),
+        metadata={"description": "Left out when the animal has none; null is refused."},
+    )
 
     @post_dump
     def drop_missing_status(self, data, **kwargs):
@@ -63,3 +92,16 @@ class ListQuerySchema(Schema):
 
     limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
     status = fields.String(validate=validate.OneOf(PET_STATUSES))
+
+
+class ErrorSchema(Schema):
+    """Every error body: a stable code for programs, a message for people, and the HTTP status."""
+
+    code = fields.String(required=True, metadata={"description": "Machine-readable, stable."})
+    message = fields.String(required=True, metadata={"description": "For people; names the field."})
+    status = fields.Integer(required=True, metadata={"description": "Repeats the HTTP status."})
+    errors = fields.Dict(
+        keys=fields.String(),
+        values=fields.List(fields.String()),
+        metadata={"description": "Validation errors only: each field or parameter's messages."},
+    )

@@ -190,7 +190,8 @@ class Gunicorn:
             try:
                 requests.get(self.url + "/", timeout=1)
                 return self
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):
+                # Refused before gunicorn listens; unanswered while its workers still boot.
                 time.sleep(0.05)
         raise RuntimeError(f"gunicorn did not serve within {timeout}s: {self.log()}")
 
