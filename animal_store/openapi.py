@@ -96,6 +96,7 @@ ROUTING_ERRORS = {405}
 #   request_headers: header name -> (JSON schema, description, required)
 #   body: the marshmallow schema the view loads the JSON body with
 #   responses: status -> (description, marshmallow schema or None, response header names)
+#   links: status -> OpenAPI links from that response to other operations
 #   errors: the statuses of ERROR_RESPONSES the operation can answer
 #   headers_on_every_response: header names that every response carries, errors included
 OPERATIONS = {
@@ -111,6 +112,15 @@ OPERATIONS = {
         "summary": "Add an animal",
         "body": NewPetSchema,
         "responses": {201: ("The new animal, with its id.", PetSchema, ("Location",))},
+        "links": {
+            201: {
+                "GetPetById": {
+                    "operationId": "getPet",
+                    "parameters": {"petId": "$response.body#/id"},
+                    "description": "The new animal, by the id in the body.",
+                }
+            }
+        },
         "errors": (400, 401, 405, 413, 415, 500),
     },
     "pets.get_pet": {
@@ -251,6 +261,8 @@ def operation_responses(table) -> dict:
     responses = {}
     for status, (description, schema, headers) in table["responses"].items():
         responses[str(status)] = response_object(description, schema, headers + every_response)
+        if status in table.get("links", {}):
+            responses[str(status)]["links"] = table["links"][status]
     for status in table["errors"]:
         description, headers = ERROR_RESPONSES[status]
         if status not in ROUTING_ERRORS:

@@ -29,14 +29,16 @@ class QueryInteger(fields.Integer):
 
 
 # validate_name's rule as a regular expression, for the OpenAPI document: at least one character
-# that is neither whitespace nor a control character, and no control characters (C0, DEL, C1) or
-# lone surrogates anywhere. Spelled with explicit ranges, not \s or \p{Cc}, so that Python's re
-# and ECMA-262 (what JSON Schema validators and generators use) read it the same way; the
-# whitespace listed is exactly what str.strip() removes, control characters aside.
+# that is neither whitespace nor a control character (C0, DEL, C1), and no control character
+# anywhere. Spelled with explicit ranges, not \s or \p{Cc}, so that Python's re, ECMA-262 and
+# Rust's regex (which JSON Schema tools use) all read it the same way; the whitespace listed is
+# what str.strip() removes, control characters aside. Lone surrogates, which validate_name also
+# refuses, cannot be written in a pattern Rust's regex accepts, and never arrive: the JSON parser
+# refuses them first.
 NAME_PATTERN = (
-    r"^[^\u0000-\u001f\u007f-\u009f\ud800-\udfff]*"
-    r"[^\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ud800-\udfff]"
-    r"[^\u0000-\u001f\u007f-\u009f\ud800-\udfff]*$"
+    r"^[^\u0000-\u001f\u007f-\u009f]*"
+    r"[^\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    r"[^\u0000-\u001f\u007f-\u009f]*$"
 )
 
 
