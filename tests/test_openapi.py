@@ -1,0 +1,245 @@
+"""The OpenAPI document: served without a key, valid, and saying what the service enforces."""
+
+import json
+import re
+import sys
+import unicodedata
+
+import pytest
+from marshmallow import ValidationError
+from openapi_spec_validator import validate
+
+from animal_store.openapi import DOCS_CSP
+from animal_store.schemas import INT64_MAX, INT64_MIN, NAME_PATTERN, validate_name
+
+
+@pytest.fixture
+def document(client):
+    response = client.get("/v1/openapi.json")
+    assert response.status_code == 200
+    return response.get_json()
+
+
+def test_openapi_document_is_served_without_a_key_and_validates(client):
+    response = client.get("/v1/openapi.json")
+    assert response.status_code == 200
+    assert response.content_type == "application/json"
+    document = response.get_json()
+    validate(document)
+    assert document["openapi"] == "3.1.0"
+    assert document["info"]["version"] == "1.0.0"
+
+
+def test_openapi_command_prints_the_served_document(client, runner):
+    result = runner.invoke(args=["openapi"])
+    assert result.exit_code == 0
+    assert json.loads(result.output) == client.get("/v1/openapi.json").get_json()
+
+
+def test_openapi_document_lists_every_route_of_the_api(app, document):
+    # A view added to the pets blueprint without an OPERATIONS entry would go undocumented.
+    routes = {
+        (method.lower(), rule.rule.removeprefix("/v1"))
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint.startswith("pets.")
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    documented = {
+        (method, re.sub(r"\{(\w+)\}", "<pet_id>", path))
+        for path, operations in document["paths"].items()
+        for method in operations
+    }
+    assert documented == routes
+    operation_ids = {
+        operation["operationId"]
+        for operations in document["paths"].values()
+        for operation in operations.values()
+    }
+    assert operation_ids == {"listPets", "createPet", "getPet"}
+
+
+def test_openapi_servers_come_from_settings(make_app):
+    servers = [
+        {"url": "https://pets.example.net/v1", "description": "Production"},
+        {"url": "https://staging.pets.example.net/v1", "description": "Staging"},
+    ]
+    document = make_app(OPENAPI_SERVERS=servers).test_client().get("/v1/openapi.json").get_json()
+    assert document["servers"] == servers
+
+
+def test_default_servers_are_production_and_staging_under_v1(document):
+    assert [server["description"] for server in document["servers"]] == ["Production", "Staging"]
+    assert all(server["url"].endswith("/v1") for server in document["servers"])
+
+
+def test_a_server_outside_v1_stops_the_app_at_boot(make_app):
+    with pytest.raises(RuntimeError, match="must end with /v1"):
+        make_app(OPENAPI_SERVERS=[{"url": "https://pets.example.net/api"}])
+
+
+def test_every_operation_needs_a_bearer_key(document):
+    assert document["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": document["components"]["securitySchemes"]["bearerAuth"]["description"],
+    }
+    assert document["security"] == [{"bearerAuth": []}]
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            assert "security" not in operation  # so the document-wide requirement applies
+            assert "WWW-Authenticate" in operation["responses"]["401"]["headers"]
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "statuses"),
+    [
+        ("/pets", "get", {"200", "400", "401", "405", "500"}),
+        ("/pets", "post", {"201", "400", "401", "405", "413", "415", "500"}),
+        ("/pets/{petId}", "get", {"200", "401", "404", "405", "500"}),
+    ],
+)
+def test_every_response_the_operation_gives_is_documented(document, path, method, statuses):
+    responses = document["paths"][path][method]["responses"]
+    assert set(responses) == statuses
+    for status, response in responses.items():
+        schema = response["content"]["application/json"]["schema"]
+        if status >= "400":
+            assert schema == {"$ref": "#/components/schemas/Error"}
+    assert "Allow" in responses["405"]["headers"]
+
+
+def test_get_pet_is_deprecated_with_sunset_and_successor(document):
+    operation = document["paths"]["/pets/{petId}"]["get"]
+    assert operation["deprecated"] is True
+    assert "2030-12-05" in operation["description"]
+    assert "GET /v1/pets" in operation["description"]
+    for status, response in operation["responses"].items():
+        headers = set(response.get("headers", {}))
+        if status == "405":  # answered by routing, before getPet is chosen
+            assert not headers & {"Deprecation", "Sunset", "Link"}
+        else:
+            assert {"Deprecation", "Sunset", "Link"} <= headers
+
+
+def test_create_pet_documents_location(document):
+    created = document["paths"]["/pets"]["post"]["responses"]["201"]
+    assert created["headers"] == {"Location": {"$ref": "#/components/headers/Location"}}
+    assert created["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Pet"}
+
+
+def test_list_pets_documents_its_query_limits(document):
+    operation = document["paths"]["/pets"]["get"]
+    parameters = {parameter["name"]: parameter for parameter in operation["parameters"]}
+    assert parameters["limit"]["in"] == "query"
+    assert parameters["limit"]["schema"] == {
+        "type": "integer",
+        "default": 20,
+        "minimum": 1,
+        "maximum": 100,
+    }
+    assert parameters["status"]["schema"]["enum"] == ["available", "pending", "sold"]
+    assert not parameters["limit"]["required"]
+    assert not parameters["status"]["required"]
+
+
+def test_new_pet_schema_states_every_rule(document):
+    new_pet = document["components"]["schemas"]["NewPet"]
+    assert new_pet["required"] == ["categoryId", "name"]
+    assert new_pet["additionalProperties"] is False
+    assert set(new_pet["properties"]) == {"name", "categoryId", "status"}
+    name = new_pet["properties"]["name"]
+    assert (name["minLength"], name["maxLength"], name["pattern"]) == (1, 255, NAME_PATTERN)
+    category_id = new_pet["properties"]["categoryId"]
+    assert (category_id["type"], category_id["format"]) == ("integer", "int64")
+    assert (category_id["minimum"], category_id["maximum"]) == (INT64_MIN, INT64_MAX)
+    assert "1.0" in category_id["description"]
+    assert new_pet["properties"]["status"]["enum"] == ["available", "pending", "sold"]
+
+
+def test_pet_schema_always_has_id_name_and_category(document):
+    pet = document["components"]["schemas"]["Pet"]
+    assert pet["required"] == ["categoryId", "id", "name"]
+    assert pet["properties"]["id"]["format"] == "int64"
+    assert pet["properties"]["id"]["readOnly"] is True
+
+
+def test_pet_id_is_a_positive_int64(document):
+    (parameter,) = document["paths"]["/pets/{petId}"]["get"]["parameters"]
+    assert parameter["in"] == "path"
+    assert parameter["name"] == "petId"
+    assert parameter["schema"] == {
+        "type": "integer",
+        "format": "int64",
+        "minimum": 1,
+        "maximum": INT64_MAX,
+    }
+
+
+def test_error_schema_matches_error_bodies(document, client):
+    error = document["components"]["schemas"]["Error"]
+    assert error["required"] == ["code", "message", "status"]
+    body = client.post("/v1/pets", json={}, headers={"Authorization": "Bearer nope"}).get_json()
+    assert set(body) <= set(error["properties"])
+
+
+def names_to_compare():
+    """Every character that could be a corner of the rule, alone and among letters."""
+    corners = [
+        chr(code)
+        for code in range(sys.maxunicode + 1)
+        if unicodedata.category(chr(code)) in ("Cc", "Zs", "Zl", "Zp", "Cf") or chr(code).isspace()
+    ]
+    return [*corners, *(f"a{char}b" for char in corners), *(f" {char} " for char in corners)]
+
+
+def test_name_pattern_agrees_with_the_service_rule():
+    pattern = re.compile(NAME_PATTERN)
+    for name in [*names_to_compare(), "Rex", "Ñandú 🐦", "  padded  ", "x" * 255]:
+        try:
+            validate_name(name)
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert bool(pattern.fullmatch(name)) == accepted, repr(name)
+
+
+def test_document_is_built_once_per_app(app, client):
+    first = client.get("/v1/openapi.json").get_data()
+    assert app.extensions["openapi"]["document"] == first
+    assert client.get("/v1/openapi.json").get_data() == first
+
+
+def test_docs_page_is_served_without_a_key_with_a_strict_policy(client):
+    with client.get("/v1/docs") as response:
+        assert response.status_code == 200
+        assert response.mimetype == "text/html"
+        assert response.headers["Content-Security-Policy"] == DOCS_CSP
+        page = response.get_data(as_text=True)
+    # Everything the page loads is ours, relative to /v1/docs; no inline script.
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assert sources
+    assert all(source.startswith("docs/") or source == "openapi.json" for source in sources)
+    assert "<script>" not in page
+
+
+@pytest.mark.parametrize(
+    ("filename", "mimetype"),
+    [
+        ("swagger-ui-bundle.js", "text/javascript"),
+        ("swagger-ui.css", "text/css"),
+        ("docs.js", "text/javascript"),
+        ("docs.css", "text/css"),
+    ],
+)
+def test_docs_files_are_served_from_installed_packages(client, filename, mimetype):
+    with client.get(f"/v1/docs/{filename}") as response:
+        assert response.status_code == 200
+        assert response.mimetype == mimetype
+        assert len(response.get_data()) > 0
+
+
+@pytest.mark.parametrize("filename", ["nope.js", "../openapi.py", "..%2Fopenapi.py"])
+def test_docs_files_outside_the_folders_are_not_found(client, filename):
+    response = client.get(f"/v1/docs/{filename}")
+    assert response.status_code == 404
+    assert response.get_json()["code"] == "not_found"
