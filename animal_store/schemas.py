@@ -51,13 +51,18 @@ def validate_name(name: str) -> None:
 
 
 class PetSchema(Schema):
-    id = Int64(dump_only=True, required=True, metadata={"description": "Assigned by the store."})
+    id = Int64(
+        dump_only=True,
+        required=True,
+        metadata={"description": "Assigned by the store.", "example": 1},
+    )
     name = fields.String(
         required=True,
         validate=[validate.Length(min=1, max=255), validate_name],
         metadata={
             "pattern": NAME_PATTERN,
             "description": "1 to 255 characters, not only whitespace, no control characters.",
+            "example": "Rex",
         },
     )
     category_id = Int64(
@@ -65,7 +70,8 @@ class PetSchema(Schema):
         data_key="categoryId",
         metadata={
             "description": "A JSON integer written without a fraction or exponent: "
-            "1.0 and 1e3 are refused (400) although JSON Schema's integer type admits them."
+            "1.0 and 1e3 are refused (400) although JSON Schema's integer type admits them.",
+            "example": 1,
         },
     )
     status = fields.String(
