@@ -2,6 +2,10 @@
 
 import hashlib
 import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from flask import current_app, g, request
@@ -38,6 +42,61 @@ def issue_key(name: str) -> tuple[ApiKey, str]:
     return api_key, key
 
 
+@dataclass
+class CachedKey:
+    id: int
+    name: str
+    last_used_at: datetime | None
+    expires: float  # time.monotonic() after which the database is asked again
+
+
+class KeyCache:
+    """Valid keys by hash, per process: most requests are authenticated without a query.
+
+    Only valid keys are kept, so a new key works at once; a revoked key goes on working in a
+    process that has it cached for at most `ttl` seconds. At most `size` keys, least recently
+    used dropped first. A lock, because a worker may serve requests on several threads.
+    """
+
+    def __init__(self, ttl: float, size: int):
+        self.ttl = ttl
+        self.size = size
+        self.entries: OrderedDict[bytes, CachedKey] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key_hash: bytes) -> CachedKey | None:
+        with self.lock:
+            entry = self.entries.get(key_hash)
+            if entry is None:
+                return None
+            if entry.expires <= time.monotonic():
+                del self.entries[key_hash]
+                return None
+            self.entries.move_to_end(key_hash)
+            return entry
+
+    def put(self, key_hash: bytes, entry: CachedKey) -> None:
+        if self.ttl <= 0 or self.size <= 0:
+            return
+        entry.expires = time.monotonic() + self.ttl
+        with self.lock:
+            self.entries[key_hash] = entry
+            self.entries.move_to_end(key_hash)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+
+def key_cache() -> KeyCache:
+    """Return this app's key cache, made on first use so each process (worker) has its own."""
+    cache = current_app.extensions.get("animal_store_key_cache")
+    if cache is None:
+        cache = current_app.extensions.setdefault(
+            "animal_store_key_cache",
+            KeyCache(current_app.config["KEY_CACHE_SECONDS"], current_app.config["KEY_CACHE_SIZE"]),
+        )
+    return cache
+
+
 def presented_key() -> str | None:
     """Return the key from `Authorization: Bearer <key>`; the scheme is case-insensitive."""
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
@@ -56,24 +115,52 @@ def authenticate():
             "Send an API key as 'Authorization: Bearer <key>'.",
             headers={"WWW-Authenticate": REALM},
         )
-    api_key = db.session.scalar(
-        db.select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-    )
-    if api_key is None:
-        raise APIError(
-            401,
-            "unauthorized",
-            "The API key is not valid or has been revoked.",
-            headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'},
+    key_hash = hash_key(key)
+    cache = key_cache()
+    entry = cache.get(key_hash)
+    if entry is None:
+        entry = look_up_key(key_hash)
+        if entry is None:
+            # Unknown and revoked keys are never cached: each such request asks the database.
+            raise APIError(
+                401,
+                "unauthorized",
+                "The API key is not valid or has been revoked.",
+                headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'},
+            )
+        cache.put(key_hash, entry)
+    g.api_key_name = entry.name
+    g.api_key_prefix = key[:VISIBLE_PREFIX_LENGTH]  # for the logs, which never see the key
+    g.api_key_id = entry.id  # Idempotency-Keys are scoped to the API key
+    record_use(entry)
+
+
+def look_up_key(key_hash: bytes) -> CachedKey | None:
+    row = db.session.execute(
+        db.select(ApiKey.id, ApiKey.name, ApiKey.last_used_at).where(
+            ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None)
         )
-    g.api_key_name = api_key.name
-    record_use(api_key)
+    ).one_or_none()
+    return None if row is None else CachedKey(row.id, row.name, row.last_used_at, 0.0)
 
 
-def record_use(api_key: ApiKey) -> None:
-    # Written at most once per resolution window, so reads do not each cost a write.
+def record_use(entry: CachedKey) -> None:
+    """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds.
+
+    The UPDATE is conditional, so when several workers decide at once that the time is stale,
+    only the first one's write changes the row.
+    """
     now = datetime.now(UTC)
     resolution = timedelta(seconds=current_app.config["KEY_LAST_USED_RESOLUTION"])
-    if api_key.last_used_at is None or now - api_key.last_used_at >= resolution:
-        api_key.last_used_at = now
-        db.session.commit()
+    if entry.last_used_at is not None and now - entry.last_used_at < resolution:
+        return
+    db.session.execute(
+        db.update(ApiKey)
+        .where(
+            ApiKey.id == entry.id,
+            (ApiKey.last_used_at.is_(None)) | (ApiKey.last_used_at < now - resolution),
+        )
+        .values(last_used_at=now)
+    )
+    db.session.commit()
+    entry.last_used_at = now

@@ -12,6 +12,7 @@ from werkzeug.serving import run_simple
 from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import ApiKey
+from animal_store.seed import seed_command
 
 keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
 
@@ -96,3 +97,4 @@ def format_time(moment: datetime | None) -> str:
 def register_commands(app):
     app.cli.add_command(keys_cli)
     app.cli.add_command(quickstart)
+    app.cli.add_command(seed_command)

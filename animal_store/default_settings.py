@@ -12,7 +12,17 @@ MAX_CONTENT_LENGTH = 64 * 1024
 # Seconds SQLite waits for another writer before giving up with "database is locked".
 SQLITE_BUSY_TIMEOUT = 5.0
 
+# pool_pre_ping: a pooled connection the database dropped (restart, failover) is replaced before
+# use, so the service recovers from an outage by itself.
 SQLALCHEMY_ENGINE_OPTIONS = {"pool_pre_ping": True}
+
+# PostgreSQL only, so an unreachable or stuck database answers 503 within a bounded time:
+# seconds to open a connection (libpq connect_timeout; 2 is its minimum), ...
+DATABASE_CONNECT_TIMEOUT = 3
+# ... seconds one statement may run before the server cancels it, ...
+DATABASE_STATEMENT_TIMEOUT = 10
+# ... and seconds a request waits for a free pooled connection.
+DATABASE_POOL_TIMEOUT = 5
 
 # getPet is deprecated since v1.0.0 shipped and is removed on the spec's sunset date;
 # listPets with the status filter replaces it. Drives the Deprecation, Sunset and Link headers.
@@ -24,6 +34,11 @@ GET_PET_DEPRECATION = {
 
 # Each API key's last-used time is written at most this often, not on every request.
 KEY_LAST_USED_RESOLUTION = 60
+# Valid keys are cached per worker process this many seconds, so most requests are authenticated
+# without a query; a revoked key therefore keeps working for at most this long (0: no cache).
+KEY_CACHE_SECONDS = 5
+# Keys each worker keeps in that cache at most; the least recently used are dropped first.
+KEY_CACHE_SIZE = 1024
 
 # The servers listed in the OpenAPI document, each ending in /v1. The spec leaves the addresses
 # open: a deployment sets its own (ANIMAL_STORE_OPENAPI_SERVERS='[{"url": ...}]').
@@ -31,3 +46,33 @@ OPENAPI_SERVERS = [
     {"url": "https://api.animal-store.example/v1", "description": "Production"},
     {"url": "https://staging.api.animal-store.example/v1", "description": "Staging"},
 ]
+
+# Idempotency-Keys (POST /v1/pets) are remembered this many seconds (24 hours), then purged.
+IDEMPOTENCY_TTL = 24 * 60 * 60
+# Seconds after which a request still holding its key counts as dead and the key is taken over.
+# Longer than gunicorn's 30 s timeout, so the holder has been killed by then.
+IDEMPOTENCY_LEASE = 60
+# Share of requests with a key that also delete the expired keys (flask idempotency purge too).
+IDEMPOTENCY_PURGE_CHANCE = 0.01
+
+# /readyz gives the database this many seconds (PostgreSQL statement_timeout) to answer SELECT 1.
+READYZ_TIMEOUT = 2.0
+# When the database cannot be reached or written (any request, /readyz too), the 503 asks the
+# client to retry after this many seconds.
+DATABASE_RETRY_AFTER = 5
+
+# Level of the JSON log lines on stdout; INFO includes one line per request.
+LOG_LEVEL = "INFO"
+
+# Proxies in front of gunicorn whose X-Forwarded-* headers wsgi.py trusts: nginx is one hop.
+# 0 when gunicorn faces clients directly (then those headers are ignored).
+TRUSTED_PROXY_HOPS = 1
+
+# Requests per API key (per client address without one) to the pets operations, in a fixed
+# window; beyond it 429. Generous: a client busy enough to reach it is misbehaving.
+RATE_LIMIT = "600 per minute"
+# False turns limiting off (benchmarks: ANIMAL_STORE_RATE_LIMIT_ENABLED=false).
+RATE_LIMIT_ENABLED = True
+# Where the counts live. memory:// counts in each worker process, so the effective limit is
+# RATE_LIMIT x workers x instances; redis://host:6379/0 shares one count among all of them.
+RATE_LIMIT_STORAGE_URI = "memory://"

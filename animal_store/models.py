@@ -2,7 +2,20 @@
 
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, DateTime, Enum, Identity, Integer, LargeBinary, String
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -37,6 +50,9 @@ class Pet(db.Model):
         Enum(*PET_STATUSES, name="pet_status", native_enum=False, create_constraint=True)
     )
 
+    # Serves the keyset walk filtered by status: WHERE status = ? AND id > ? ORDER BY id.
+    __table_args__ = (Index("ix_pets_status_id", "status", "id"),)
+
 
 class ApiKey(db.Model):
     __tablename__ = "api_keys"
@@ -50,3 +66,25 @@ class ApiKey(db.Model):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class IdempotencyRecord(db.Model):
+    """One Idempotency-Key of one API key: claimed while its request runs, then its answer."""
+
+    __tablename__ = "idempotency_records"
+    # The unique constraint, not process memory, decides which of several racing requests runs.
+    __table_args__ = (UniqueConstraint("api_key_id", "key", name="uq_idempotency_records_key"),)
+
+    id: Mapped[int] = mapped_column(Int64Id, Identity(), primary_key=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    # SHA-256 of the parsed request body in canonical JSON: the same key must mean the same body.
+    fingerprint: Mapped[bytes] = mapped_column(LargeBinary(32))
+    # Random per claim, so only the request that holds the claim can complete or release it.
+    claim: Mapped[str] = mapped_column(String(32))
+    claimed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    # NULL while the request is in flight; then the answer that replays are given.
+    response_status: Mapped[int | None] = mapped_column(SmallInteger)
+    response_body: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_location: Mapped[str | None] = mapped_column(Text)

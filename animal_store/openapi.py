@@ -42,7 +42,8 @@ DOCS_CSP = (
     "frame-ancestors 'none'"
 )
 
-# Response headers, by name; operations list the ones each response carries.
+# Response headers, by component name (the header's own name unless HEADER_NAMES says
+# otherwise); operations list the ones each response carries.
 HEADERS = {
     "Location": {
         "description": "The absolute URL of the new animal.",
@@ -75,17 +76,100 @@ HEADERS = {
         "required": True,
         "schema": {"type": "string"},
     },
+    "NextLink": {
+        "description": 'RFC 8288: `<absolute URL>; rel="next"`, the next page with the same '
+        "`limit` and `status`; absent on the last page. Follow it, do not build the cursor.",
+        "schema": {"type": "string"},
+    },
+    "ETag": {
+        "description": "A strong tag of this answer; send it back in `If-None-Match` to get "
+        "304 while the answer is unchanged.",
+        "required": True,
+        "schema": {"type": "string"},
+    },
+    "Idempotent-Replayed": {
+        "description": "`true` when this is the stored answer to an earlier request with the "
+        "same `Idempotency-Key`; nothing was created this time.",
+        "schema": {"type": "string", "enum": ["true"]},
+    },
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "required": True,
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "RateLimit-Limit": {
+        "description": "Requests this API key may make per window (all pets operations "
+        "together). Absent when rate limiting is off.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "RateLimit-Remaining": {
+        "description": "Requests left in the current window.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "RateLimit-Reset": {
+        "description": "Seconds until the current window ends and the count starts again.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+}
+HEADER_NAMES = {"NextLink": "Link"}
+# Carried by every answer of a rate-limited operation, errors included, while limiting is on.
+RATE_LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
+
+# Request headers an operation may take: name -> (JSON schema, description, required).
+IF_NONE_MATCH = {
+    "If-None-Match": (
+        {"type": "string"},
+        "ETags of answers the client holds (RFC 9110); a match gets 304 with no body.",
+        False,
+    )
+}
+# The header's grammar, as idempotency.py parses it: bare, or a quoted string with \" and \\.
+IDEMPOTENCY_KEY_PATTERN = (
+    r'^(?:[\x21\x23-\x5b\x5d-\x7e]{1,255}|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\]){1,255}")$'
+)
+IDEMPOTENCY_KEY = {
+    "Idempotency-Key": (
+        {"type": "string", "pattern": IDEMPOTENCY_KEY_PATTERN},
+        "draft-ietf-httpapi-idempotency-key-header: 1 to 255 printable ASCII characters, as a "
+        'quoted string (`"abc"`) or bare (`abc`, no spaces, quotes or backslashes). A retry '
+        "with the same key and body gets the first answer again; kept 24 hours per API key.",
+        False,
+    )
 }
 
 # Every error an operation can give, with the error codes behind it and the headers it carries.
 ERROR_RESPONSES = {
-    400: ("A query parameter or the body is invalid: `validation_error`, `invalid_json`.", ()),
+    400: (
+        "A query parameter (a garbled cursor, or one from a walk with another `status`), "
+        "the `Idempotency-Key` header or the body is invalid: `validation_error`, `invalid_json`; "
+        "the body ended before its `Content-Length` or its chunked framing is broken: "
+        "`bad_request`.",
+        (),
+    ),
     401: ("No API key, or one that is wrong or revoked: `unauthorized`.", ("WWW-Authenticate",)),
     404: ("No animal has this id: `not_found`.", ()),
     405: ("The path does not have this method: `method_not_allowed`.", ("Allow",)),
+    409: (
+        "A request with this `Idempotency-Key` is still running: `idempotency_key_in_use`.",
+        ("Retry-After",),
+    ),
     413: ("The body is over the server's limit (64 KiB by default): `payload_too_large`.", ()),
     415: ("The body is not sent as `application/json`: `unsupported_media_type`.", ()),
+    422: (
+        "This `Idempotency-Key` was used with another body: `idempotency_key_reused`.",
+        (),
+    ),
+    429: (
+        "This API key made too many requests in the current window: `too_many_requests`. "
+        "Retry after `Retry-After` seconds.",
+        ("Retry-After",),
+    ),
     500: ("A bug in the service, logged on the server: `internal_error`.", ()),
+    503: (
+        "The database cannot be reached or written just now: `service_unavailable`. Nothing "
+        "was changed; retry after `Retry-After` seconds.",
+        ("Retry-After",),
+    ),
 }
 # Answered by routing, before any view is chosen: the operation's own headers are not added.
 ROUTING_ERRORS = {405}
@@ -104,14 +188,26 @@ OPERATIONS = {
         "operationId": "listPets",
         "summary": "List animals",
         "query": ListQuerySchema,
-        "responses": {200: ("The animals, as a JSON array.", PetSchema(many=True), ())},
-        "errors": (400, 401, 405, 500),
+        "request_headers": IF_NONE_MATCH,
+        "responses": {
+            200: (
+                "A page of animals, as a JSON array.",
+                PetSchema(many=True),
+                ("ETag", "NextLink"),
+            ),
+            304: ("Unchanged since the `If-None-Match` tag: no body.", None, ("ETag",)),
+        },
+        "errors": (400, 401, 405, 429, 500, 503),
+        "headers_on_every_response": RATE_LIMIT_HEADERS,
     },
     "pets.create_pet": {
         "operationId": "createPet",
         "summary": "Add an animal",
         "body": NewPetSchema,
-        "responses": {201: ("The new animal, with its id.", PetSchema, ("Location",))},
+        "request_headers": IDEMPOTENCY_KEY,
+        "responses": {
+            201: ("The new animal, with its id.", PetSchema, ("Location", "Idempotent-Replayed"))
+        },
         "links": {
             201: {
                 "GetPetById": {
@@ -121,7 +217,8 @@ OPERATIONS = {
                 }
             }
         },
-        "errors": (400, 401, 405, 413, 415, 500),
+        "errors": (400, 401, 405, 409, 413, 415, 422, 429, 500, 503),
+        "headers_on_every_response": RATE_LIMIT_HEADERS,
     },
     "pets.get_pet": {
         "operationId": "getPet",
@@ -134,9 +231,13 @@ OPERATIONS = {
                 "The animal's id. Anything else (text, zero, negative, too large) is 404.",
             )
         },
-        "responses": {200: ("The animal.", PetSchema, ())},
-        "errors": (401, 404, 405, 500),
-        "headers_on_every_response": ("Deprecation", "Sunset", "Link"),
+        "request_headers": IF_NONE_MATCH,
+        "responses": {
+            200: ("The animal.", PetSchema, ("ETag",)),
+            304: ("Unchanged since the `If-None-Match` tag: no body.", None, ("ETag",)),
+        },
+        "errors": (401, 404, 405, 429, 500, 503),
+        "headers_on_every_response": ("Deprecation", "Sunset", "Link", *RATE_LIMIT_HEADERS),
     },
 }
 
@@ -274,7 +375,7 @@ def operation_responses(table) -> dict:
 def response_object(description, schema, headers) -> dict:
     response = {"description": description}
     if headers:
-        response["headers"] = {name: name for name in headers}
+        response["headers"] = {HEADER_NAMES.get(name, name): name for name in headers}
     if schema is not None:
         response["content"] = {"application/json": {"schema": schema}}
     return response

@@ -3,9 +3,18 @@
 import re
 import unicodedata
 
-from marshmallow import EXCLUDE, Schema, ValidationError, fields, post_dump, validate
+from marshmallow import (
+    EXCLUDE,
+    Schema,
+    ValidationError,
+    fields,
+    post_dump,
+    validate,
+    validates_schema,
+)
 
 from animal_store.models import PET_STATUSES
+from animal_store.pagination import decode_cursor
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -40,6 +49,20 @@ NAME_PATTERN = (
     r"[^\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
     r"[^\u0000-\u001f\u007f-\u009f]*$"
 )
+
+
+class Cursor(fields.Field):
+    """The opaque `cursor` query parameter, loaded as the walk Position it names."""
+
+    default_error_messages = {
+        "invalid": 'Not a cursor from this service; follow the URL of the Link rel="next" header.',
+    }
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        try:
+            return decode_cursor(value)
+        except ValueError:
+            raise self.make_error("invalid") from None
 
 
 def validate_name(name: str) -> None:
@@ -100,6 +123,25 @@ class ListQuerySchema(Schema):
 
     limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
     status = fields.String(validate=validate.OneOf(PET_STATUSES))
+    cursor = Cursor(
+        metadata={
+            "type": "string",
+            "pattern": "^[A-Za-z0-9_-]{1,64}$",
+            "description": "Opaque: where the next page starts, taken from the "
+            '`Link: rel="next"` URL of the page before. A garbled cursor, or one from a walk '
+            "with another `status`, is 400.",
+        }
+    )
+
+    @validates_schema
+    def cursor_matches_status(self, data, **kwargs):
+        # A cursor continues one walk; with another filter its position would skip animals.
+        if "cursor" in data and data["cursor"].status != data.get("status"):
+            raise ValidationError(
+                "This cursor belongs to a walk with another status filter; keep the status "
+                'of the Link rel="next" URL.',
+                "cursor",
+            )
 
 
 class ErrorSchema(Schema):

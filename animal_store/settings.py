@@ -17,6 +17,7 @@ def load_settings(app, test_config=None) -> None:
     else:
         load_deployment_settings(app)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
 
 
 def load_deployment_settings(app) -> None:
@@ -47,3 +48,17 @@ def database_uri(app) -> str:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed.render_as_string(hide_password=False)
+
+
+def engine_options(app) -> dict:
+    """Add PostgreSQL's time limits, so an unreachable or stuck database means a quick 503."""
+    options = dict(app.config["SQLALCHEMY_ENGINE_OPTIONS"])
+    if not app.config["SQLALCHEMY_DATABASE_URI"].startswith("postgresql"):
+        return options
+    options.setdefault("pool_timeout", app.config["DATABASE_POOL_TIMEOUT"])
+    connect_args = dict(options.get("connect_args", {}))
+    connect_args.setdefault("connect_timeout", app.config["DATABASE_CONNECT_TIMEOUT"])
+    statement_timeout_ms = int(app.config["DATABASE_STATEMENT_TIMEOUT"] * 1000)
+    connect_args.setdefault("options", f"-c statement_timeout={statement_timeout_ms}")
+    options["connect_args"] = connect_args
+    return options

@@ -188,11 +188,11 @@ class Gunicorn:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gunicorn exited: {self.log()}")
             try:
-                requests.get(self.url + "/", timeout=1)
-                return self
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
             except (requests.ConnectionError, requests.Timeout):
-                # Refused before gunicorn listens; unanswered while its workers still boot.
-                time.sleep(0.05)
+                pass  # Refused before gunicorn listens; unanswered while its workers still boot.
+            time.sleep(0.05)
         raise RuntimeError(f"gunicorn did not serve within {timeout}s: {self.log()}")
 
     def log(self):

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
+from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
@@ -69,7 +70,13 @@ def test_authentication_runs_before_anything_else(client, method, path, kwargs):
     assert response.status_code == 401
 
 
-def test_revoked_key_stops_working(client, app, api_key, runner):
+def test_revoked_key_stops_working(make_app):
+    # Without the key cache a revocation takes effect on the next request.
+    app = make_app(KEY_CACHE_SECONDS=0)
+    client, runner = app.test_client(), app.test_cli_runner()
+    with app.app_context():
+        _, api_key = issue_key("tester")
+        db.session.commit()
     headers = {"Authorization": f"Bearer {api_key}"}
     assert client.get("/v1/pets", headers=headers).status_code == 200
     assert runner.invoke(args=["keys", "revoke", "tester"]).exit_code == 0
@@ -94,7 +101,14 @@ def test_keys_are_random_prefixed_and_stored_only_as_hash(app, make_key):
         assert hashlib.sha256(key.encode()).digest() in {row["key_hash"] for row in rows}
 
 
-def test_last_used_is_recorded_at_most_once_a_minute(client, app, api_key):
+def test_last_used_is_recorded_at_most_once_a_minute(make_app):
+    # Uncached, so the rewound time below is seen; tests/test_key_cache.py covers the cached path.
+    app = make_app(KEY_CACHE_SECONDS=0)
+    client = app.test_client()
+    with app.app_context():
+        _, api_key = issue_key("tester")
+        db.session.commit()
+
     def last_used():
         with app.app_context():
             return db.session.scalar(sa.select(ApiKey.last_used_at))

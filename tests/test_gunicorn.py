@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import requests
 from conftest import PROJECT_DIR
@@ -62,9 +63,15 @@ def test_writes_from_several_workers_all_land(start_gunicorn, api_key, count_pet
 
 def test_command_line_workers_override_the_config(start_gunicorn):
     server = start_gunicorn(workers=3)
-    workers = subprocess.run(
-        ["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True, check=False
-    ).stdout.split()
+    # Serving means one worker is up; the others may still be forking.
+    deadline = time.monotonic() + 20
+    while True:
+        workers = subprocess.run(
+            ["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        if len(workers) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert len(workers) == 3
 
 

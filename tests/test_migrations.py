@@ -36,3 +36,21 @@ def test_downgrade_and_upgrade_round_trip(app):
         assert "pets" not in db.inspect(db.engine).get_table_names()
         upgrade()
         assert {"pets", "api_keys"} <= set(db.inspect(db.engine).get_table_names())
+
+
+def test_keyset_and_idempotency_migration_goes_down_and_up(app):
+    from flask_migrate import downgrade, upgrade
+
+    def schema():
+        inspector = db.inspect(db.engine)
+        return (
+            "idempotency_records" in inspector.get_table_names(),
+            "ix_pets_status_id" in {index["name"] for index in inspector.get_indexes("pets")},
+        )
+
+    with app.app_context():
+        assert schema() == (True, True)
+        downgrade(revision="0001")
+        assert schema() == (False, False)
+        upgrade()
+        assert schema() == (True, True)

@@ -9,8 +9,12 @@ import pytest
 from marshmallow import ValidationError
 from openapi_spec_validator import validate
 
-from animal_store.openapi import DOCS_CSP
+from animal_store.errors import APIError
+from animal_store.idempotency import idempotency_key
+from animal_store.openapi import DOCS_CSP, IDEMPOTENCY_KEY_PATTERN
 from animal_store.schemas import INT64_MAX, INT64_MIN, NAME_PATTERN, validate_name
+
+RATE_LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
 
 
 @pytest.fixture
@@ -93,19 +97,32 @@ def test_every_operation_needs_a_bearer_key(document):
 @pytest.mark.parametrize(
     ("path", "method", "statuses"),
     [
-        ("/pets", "get", {"200", "400", "401", "405", "500"}),
-        ("/pets", "post", {"201", "400", "401", "405", "413", "415", "500"}),
-        ("/pets/{petId}", "get", {"200", "401", "404", "405", "500"}),
+        ("/pets", "get", {"200", "304", "400", "401", "405", "429", "500", "503"}),
+        (
+            "/pets",
+            "post",
+            {"201", "400", "401", "405", "409", "413", "415", "422", "429", "500", "503"},
+        ),
+        ("/pets/{petId}", "get", {"200", "304", "401", "404", "405", "429", "500", "503"}),
     ],
 )
 def test_every_response_the_operation_gives_is_documented(document, path, method, statuses):
     responses = document["paths"][path][method]["responses"]
     assert set(responses) == statuses
     for status, response in responses.items():
+        if status == "304":
+            assert "content" not in response  # Not Modified has no body
+            continue
         schema = response["content"]["application/json"]["schema"]
         if status >= "400":
             assert schema == {"$ref": "#/components/schemas/Error"}
     assert "Allow" in responses["405"]["headers"]
+    for status in ("429", "503"):
+        assert "Retry-After" in responses[status]["headers"]
+    for status in set(responses) - {"405"}:
+        assert {"RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset"} <= set(
+            responses[status]["headers"]
+        )
 
 
 def test_get_pet_is_deprecated_with_sunset_and_successor(document):
@@ -123,7 +140,10 @@ def test_get_pet_is_deprecated_with_sunset_and_successor(document):
 
 def test_create_pet_documents_location(document):
     created = document["paths"]["/pets"]["post"]["responses"]["201"]
-    assert created["headers"] == {"Location": {"$ref": "#/components/headers/Location"}}
+    assert created["headers"] == {
+        name: {"$ref": f"#/components/headers/{name}"}
+        for name in ("Location", "Idempotent-Replayed", *RATE_LIMIT_HEADERS)
+    }
     assert created["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Pet"}
 
 
@@ -140,6 +160,62 @@ def test_list_pets_documents_its_query_limits(document):
     assert parameters["status"]["schema"]["enum"] == ["available", "pending", "sold"]
     assert not parameters["limit"]["required"]
     assert not parameters["status"]["required"]
+
+
+def test_list_pets_documents_cursor_next_link_and_etag(document):
+    operation = document["paths"]["/pets"]["get"]
+    parameters = {parameter["name"]: parameter for parameter in operation["parameters"]}
+    assert parameters["cursor"]["in"] == "query"
+    assert parameters["cursor"]["schema"]["pattern"] == "^[A-Za-z0-9_-]{1,64}$"
+    assert parameters["If-None-Match"]["in"] == "header"
+    page = operation["responses"]["200"]["headers"]
+    assert page["Link"] == {"$ref": "#/components/headers/NextLink"}
+    assert page["ETag"] == {"$ref": "#/components/headers/ETag"}
+    assert 'rel="next"' in document["components"]["headers"]["NextLink"]["description"]
+    assert "content" not in operation["responses"]["304"]
+
+
+@pytest.mark.parametrize(("status", "headers"), [("409", {"Retry-After"}), ("422", set())])
+def test_create_pet_documents_idempotency_errors(document, status, headers):
+    operation = document["paths"]["/pets"]["post"]
+    parameters = {parameter["name"]: parameter for parameter in operation["parameters"]}
+    assert parameters["Idempotency-Key"]["in"] == "header"
+    assert not parameters["Idempotency-Key"]["required"]
+    response = operation["responses"][status]
+    assert set(response.get("headers", {})) == headers | set(RATE_LIMIT_HEADERS)
+    assert response["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Error"
+    }
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "abc",
+        '"abc"',
+        '"a b"',
+        '"a\\"b"',
+        "a b",
+        '"',
+        '""',
+        "",
+        "ä",
+        "a" * 255,
+        "a" * 256,
+        '"' + "a" * 255 + '"',
+        '"' + "a" * 256 + '"',
+        "a,b",
+        '"a\\b"',
+        '"a\\x"',
+    ],
+)
+def test_idempotency_key_pattern_agrees_with_the_service(app, value):
+    with app.test_request_context(headers={"Idempotency-Key": value}):
+        try:
+            accepted = idempotency_key() is not None
+        except APIError:
+            accepted = False
+    assert bool(re.fullmatch(IDEMPOTENCY_KEY_PATTERN, value)) == accepted
 
 
 def test_new_pet_schema_states_every_rule(document):
@@ -164,7 +240,8 @@ def test_pet_schema_always_has_id_name_and_category(document):
 
 
 def test_pet_id_is_a_positive_int64(document):
-    (parameter,) = document["paths"]["/pets/{petId}"]["get"]["parameters"]
+    parameters = document["paths"]["/pets/{petId}"]["get"]["parameters"]
+    (parameter,) = [parameter for parameter in parameters if parameter["in"] == "path"]
     assert parameter["in"] == "path"
     assert parameter["name"] == "petId"
     assert parameter["schema"] == {

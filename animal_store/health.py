@@ -1,0 +1,39 @@
+"""Health probes for load balancers and orchestrators, outside /v1 and without authentication."""
+
+from flask import Blueprint, current_app
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from animal_store.errors import database_unavailable
+from animal_store.extensions import db
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/healthz")
+def healthz():
+    """Answer as long as the process can serve a request; the database is not consulted."""
+    return {"status": "ok"}, 200
+
+
+@bp.get("/readyz")
+def readyz():
+    """Answer 200 when the database answers a trivial query, else 503 within a bounded time."""
+    try:
+        check_database()
+    except SQLAlchemyError:
+        db.session.rollback()
+        current_app.logger.warning("Readiness check failed: the database did not answer")
+        raise database_unavailable() from None
+    return {"status": "ok"}, 200
+
+
+def check_database() -> None:
+    if db.engine.dialect.name == "postgresql":
+        # SET LOCAL lasts until the end of this transaction only, so a pooled connection keeps
+        # its usual statement timeout afterwards. A stuck server fails the probe instead of hanging.
+        # At least 1 ms: a statement_timeout of 0 would mean no limit at all.
+        timeout_ms = max(1, round(current_app.config["READYZ_TIMEOUT"] * 1000))
+        db.session.execute(text(f"SET LOCAL statement_timeout = {timeout_ms}"))
+    db.session.execute(text("SELECT 1"))
+    db.session.rollback()

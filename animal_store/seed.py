@@ -1,0 +1,51 @@
+"""`flask seed COUNT`: sample animals in bulk, for benchmarks, demos and the docs."""
+
+import click
+from flask.cli import with_appcontext
+
+from animal_store.extensions import db
+from animal_store.models import PET_STATUSES, Pet
+
+SAMPLE_NAMES = ("Rex", "Kitty", "Bubbles", "Polly", "Nibbles", "Shadow", "Goldie", "Biscuit")
+# Every status of the enum, and animals without one, in equal shares.
+SAMPLE_STATUSES = (*PET_STATUSES, None)
+BATCH_SIZE = 10_000
+
+
+def sample_pet(number: int) -> dict:
+    return {
+        "name": f"{SAMPLE_NAMES[number % len(SAMPLE_NAMES)]} {number}",
+        "category_id": number % 10 + 1,
+        "status": SAMPLE_STATUSES[number % len(SAMPLE_STATUSES)],
+    }
+
+
+def seed_pets(count: int) -> None:
+    """Insert COUNT sample animals in batches: COPY on PostgreSQL, executemany elsewhere."""
+    for start in range(0, count, BATCH_SIZE):
+        rows = [sample_pet(number) for number in range(start, min(start + BATCH_SIZE, count))]
+        connection = db.session.connection()
+        if connection.dialect.name == "postgresql":
+            copy_rows(connection, rows)
+        else:
+            connection.execute(Pet.__table__.insert(), rows)
+        db.session.commit()
+
+
+def copy_rows(connection, rows) -> None:
+    # COPY is several times faster than even batched INSERTs for a million rows.
+    with (
+        connection.connection.driver_connection.cursor() as cursor,
+        cursor.copy("COPY pets (name, category_id, status) FROM STDIN") as copy,
+    ):
+        for row in rows:
+            copy.write_row((row["name"], row["category_id"], row["status"]))
+
+
+@click.command("seed")
+@with_appcontext
+@click.argument("count", type=click.IntRange(min=1))
+def seed_command(count):
+    """Add COUNT sample animals, their statuses spread evenly over the enum and none."""
+    seed_pets(count)
+    click.echo(f"Seeded {count} animals.")

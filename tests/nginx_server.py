@@ -1,0 +1,141 @@
+"""A real nginx running the shipped config/nginx.conf, rendered with a test's ports and paths."""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import PROJECT_DIR, free_port
+
+NGINX = shutil.which("nginx") or next(
+    (path for path in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(path, os.X_OK)), None
+)
+SHIPPED_CONFIG = PROJECT_DIR / "config" / "nginx.conf"
+
+# Stands in for Debian's /etc/nginx/nginx.conf, which includes the shipped file in its http block.
+MAIN_CONFIG = """\
+{user}
+worker_processes 1;
+pid {directory}/nginx.pid;
+error_log {directory}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    client_body_temp_path {directory}/client_body;
+    proxy_temp_path {directory}/proxy;
+    fastcgi_temp_path {directory}/fastcgi;
+    uwsgi_temp_path {directory}/uwsgi;
+    scgi_temp_path {directory}/scgi;
+    include {directory}/animal-store.conf;
+}}
+"""
+
+
+def substitute(pattern, replacement, text, count):
+    """Replace a setting of the shipped file, failing loudly if the file no longer has it."""
+    result, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
+    if found != count:
+        raise AssertionError(f"config/nginx.conf: {pattern!r} found {found} times, not {count}")
+    return result
+
+
+def render(directory, upstreams, certificate, key, proxy_read_timeout=None):
+    """Return the shipped config with the test's upstreams, loopback ports and files."""
+    config = SHIPPED_CONFIG.read_text()
+    servers = "".join(
+        f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
+    )
+    config = substitute(r"^    server 127\.0\.0\.1:8000 .*;\n", servers, config, 1)
+    config = substitute(r"^    listen \[::\]:\d+.*;\n", "", config, 2)
+    http_port, https_port = free_port(), free_port()
+    config = substitute(r"^    listen 80;", f"    listen 127.0.0.1:{http_port};", config, 1)
+    config = substitute(r"^    listen 443 ssl", f"    listen 127.0.0.1:{https_port} ssl", config, 1)
+    config = substitute(
+        r"^    ssl_certificate \S+;", f"    ssl_certificate {certificate};", config, 1
+    )
+    config = substitute(
+        r"^    ssl_certificate_key \S+;", f"    ssl_certificate_key {key};", config, 1
+    )
+    config = substitute(
+        r"^    access_log \S+ ", f"    access_log {directory}/access.log ", config, 2
+    )
+    if proxy_read_timeout is not None:
+        config = substitute(
+            r"^    proxy_read_timeout \S+;",
+            f"    proxy_read_timeout {proxy_read_timeout};",
+            config,
+            1,
+        )
+    return config, http_port, https_port
+
+
+class Nginx:
+    """nginx in the foreground with its own prefix directory, stopped by PID."""
+
+    def __init__(self, directory: Path, upstreams, certificate, key, proxy_read_timeout=None):
+        self.directory = directory
+        directory.mkdir(parents=True)
+        config, self.http_port, self.https_port = render(
+            directory, upstreams, certificate, key, proxy_read_timeout
+        )
+        (directory / "animal-store.conf").write_text(config)
+        # Worker processes started by root default to user nobody, who cannot enter pytest's
+        # private tmp directory to buffer request bodies.
+        user = "user root;" if os.geteuid() == 0 else ""
+        (directory / "nginx.conf").write_text(MAIN_CONFIG.format(user=user, directory=directory))
+        self.url = f"https://127.0.0.1:{self.https_port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        self.process = subprocess.Popen(
+            [
+                NGINX,
+                "-p",
+                str(directory),
+                "-c",
+                str(directory / "nginx.conf"),
+                "-e",
+                str(directory / "error.log"),
+                "-g",
+                "daemon off;",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_until_serving(self, timeout=10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nginx exited: {self.error_log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.https_port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"nginx did not listen within {timeout}s: {self.error_log()}")
+
+    def error_log(self):
+        path = self.directory / "error.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def access_log(self, lines=0, timeout=5):
+        """Return the access log once it has this many lines: nginx writes a request's line
+        after sending the response, so the client can be faster than the log."""
+        path = self.directory / "access.log"
+        deadline = time.monotonic() + timeout
+        while True:
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if len(text.splitlines()) >= lines or time.monotonic() > deadline:
+                return text
+            time.sleep(0.02)
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()

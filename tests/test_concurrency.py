@@ -1,0 +1,57 @@
+"""Many writers at once: 4 gunicorn workers, 16 clients each creating 100 animals. Every request
+is answered 201 and exactly those 1,600 animals are stored, on SQLite and on PostgreSQL."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+import sqlalchemy as sa
+
+from animal_store.extensions import db
+from animal_store.models import PET_STATUSES, Pet
+
+CLIENTS = 16
+CREATES_PER_CLIENT = 100
+
+
+def create_many(url, key, client_number):
+    """Create this client's animals; return (status, sent body, answered body) for each."""
+    results = []
+    with requests.Session() as session:
+        session.headers["Authorization"] = f"Bearer {key}"
+        for n in range(CREATES_PER_CLIENT):
+            body = {
+                "name": f"client{client_number}-pet{n}",
+                "categoryId": client_number * 1000 + n,
+                "status": PET_STATUSES[n % len(PET_STATUSES)],
+            }
+            response = session.post(url, json=body, timeout=30)
+            results.append((response.status_code, body, response.json()))
+    return results
+
+
+def test_many_writers_get_201_and_exactly_their_animals(app, make_key, start_gunicorn):
+    server = start_gunicorn(workers=4)
+    # One key per client, as real clients have; each stays far below its rate limit.
+    keys = [make_key(f"client{n}") for n in range(CLIENTS)]
+    with ThreadPoolExecutor(max_workers=CLIENTS) as pool:
+        answers = [
+            result
+            for results in pool.map(
+                create_many, [server.url + "/v1/pets"] * CLIENTS, keys, range(CLIENTS)
+            )
+            for result in results
+        ]
+
+    statuses = [status for status, _, _ in answers]
+    assert statuses == [201] * CLIENTS * CREATES_PER_CLIENT, {
+        s: statuses.count(s) for s in set(statuses)
+    }
+    for _, sent, answered in answers:
+        assert answered == {"id": answered["id"], **sent}
+    answered_rows = {(a["id"], a["name"], a["categoryId"], a["status"]) for _, _, a in answers}
+    assert len(answered_rows) == CLIENTS * CREATES_PER_CLIENT  # every id distinct
+    with app.app_context():
+        rows = db.session.execute(sa.select(Pet.id, Pet.name, Pet.category_id, Pet.status))
+        stored_rows = {tuple(row) for row in rows}
+    assert stored_rows == answered_rows
+    assert "database is locked" not in server.log()

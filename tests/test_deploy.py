@@ -1,0 +1,390 @@
+"""End to end through the shipped deployment: real nginx (config/nginx.conf, TLS) in front of real
+gunicorn (config/gunicorn.conf.py, wsgi.py), on free loopback ports, stopped by PID."""
+
+import json
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from conftest import TEST_DATABASE_URL
+from nginx_server import NGINX, Nginx
+
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (Debian: openssl)")
+    directory = tmp_path_factory.mktemp("tls")
+    certificate, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(certificate),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return certificate, key
+
+
+@pytest.fixture
+def start_nginx(tmp_path, certificate):
+    """Start nginx on the shipped config with the given upstream addresses; stopped afterwards."""
+    servers = []
+
+    def start(upstreams, proxy_read_timeout=None):
+        server = Nginx(
+            tmp_path / f"nginx-{len(servers)}", upstreams, *certificate, proxy_read_timeout
+        )
+        servers.append(server)
+        return server.wait_until_serving()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def session(certificate):
+    with requests.Session() as session:
+        # Not REQUESTS_CA_BUNDLE or a proxy from the environment: this certificate, directly.
+        session.trust_env = False
+        session.verify = str(certificate[0])
+        yield session
+
+
+def address(gunicorn):
+    return gunicorn.url.removeprefix("http://")
+
+
+def request_lines(gunicorn):
+    """The app's per-request JSON lines from a gunicorn's stdout, but the fixture's probes."""
+    lines = [json.loads(line) for line in gunicorn.log().splitlines() if line.startswith("{")]
+    return [
+        line
+        for line in lines
+        if line["logger"] == "animal_store.request" and line["path"] != "/healthz"
+    ]
+
+
+def test_create_list_and_fetch_through_nginx(start_gunicorn, start_nginx, session, auth):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    created = [
+        session.post(
+            f"{nginx.url}/v1/pets", json={"name": f"pet{n}", "categoryId": n}, headers=auth
+        )
+        for n in range(2)
+    ]
+    assert [response.status_code for response in created] == [201, 201]
+    first = created[0].json()
+    assert created[0].headers["Location"] == f"{nginx.url}/v1/pets/{first['id']}"
+
+    page = session.get(f"{nginx.url}/v1/pets?limit=1", headers=auth)
+    assert page.json() == [first]
+    assert page.links["next"]["url"].startswith(f"{nginx.url}/v1/pets?")
+    assert session.get(page.links["next"]["url"], headers=auth).json() == [created[1].json()]
+    assert session.get(created[0].headers["Location"], headers=auth).json() == first
+
+
+def test_missing_key_through_nginx_is_the_apps_401(start_gunicorn, start_nginx, session):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    response = session.get(f"{nginx.url}/v1/pets")
+    assert response.status_code == 401
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["WWW-Authenticate"] == 'Bearer realm="animal-store"'
+    assert response.json()["code"] == "unauthorized"
+
+
+def test_urls_use_the_public_scheme_and_host(start_gunicorn, start_nginx, session, auth):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    public = {**auth, "Host": "api.animal-store.example"}
+    public_url = f"https://api.animal-store.example:{nginx.https_port}"
+    for n in range(2):
+        created = session.post(
+            f"{nginx.url}/v1/pets", json={"name": "Rex", "categoryId": n}, headers=public
+        )
+        assert created.headers["Location"] == f"{public_url}/v1/pets/{created.json()['id']}"
+    page = session.get(f"{nginx.url}/v1/pets?limit=1", headers=public)
+    assert page.links["next"]["url"].startswith(f"{public_url}/v1/pets?")
+
+
+def test_plain_http_redirects_to_https(start_gunicorn, start_nginx):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    response = requests.post(
+        f"{nginx.http_url}/v1/pets?limit=1", json={}, allow_redirects=False, timeout=10
+    )
+    assert response.status_code == 308
+    assert response.headers["Location"] == "https://127.0.0.1/v1/pets?limit=1"
+
+
+def test_client_address_is_nginxs_peer_not_a_spoofed_header(
+    start_gunicorn, start_nginx, session, auth
+):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    session.get(f"{nginx.url}/v1/pets", headers={**auth, "X-Forwarded-For": "203.0.113.9"})
+    [line] = request_lines(gunicorn)
+    assert line["remote_addr"] == "127.0.0.1"
+
+
+def test_request_id_round_trip(start_gunicorn, start_nginx, session, auth):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    kept = session.get(f"{nginx.url}/v1/pets", headers={**auth, "X-Request-ID": "client-id-1"})
+    generated = session.get(f"{nginx.url}/v1/pets", headers=auth)
+    replaced = session.get(f"{nginx.url}/v1/pets", headers={**auth, "X-Request-ID": "bad id!"})
+    assert kept.headers["X-Request-ID"] == "client-id-1"
+    for response in (generated, replaced):
+        # nginx's $request_id, chosen at the edge and passed on to the app.
+        assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
+    sent = [r.headers["X-Request-ID"] for r in (kept, generated, replaced)]
+    assert [line["request_id"] for line in request_lines(gunicorn)] == sent
+    access_log = [json.loads(line) for line in nginx.access_log(lines=3).splitlines()]
+    assert [line["request_id"] for line in access_log] == sent
+
+
+def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, session, api_key):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    auth = {"Authorization": f"Bearer {api_key}"}
+    session.post(f"{nginx.url}/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth)
+    session.get(f"{nginx.url}/v1/pets", headers={"Authorization": f"Bearer {api_key}0"})
+    gunicorn.stop()
+    output = gunicorn.log()
+    # Everything on gunicorn's stdout, its own boot and shutdown lines too, is a JSON line.
+    lines = [json.loads(line) for line in output.splitlines()]
+    assert any(line["logger"] == "gunicorn.error" for line in lines)
+    created, refused = request_lines(gunicorn)
+    assert created["method"] == "POST"
+    assert created["path"] == "/v1/pets"
+    assert created["status"] == 201
+    assert created["api_key_name"] == "tester"
+    assert isinstance(created["duration_ms"], float)
+    assert (refused["status"], refused["api_key_name"]) == (401, None)
+    assert api_key not in output
+    assert "Bearer" not in output
+    assert api_key not in nginx.access_log() + nginx.error_log()
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "status", "code"),
+    [
+        ({"method": "POST", "data": b"x" * (64 * 1024 + 1)}, 413, "payload_too_large"),
+        ({"method": "GET", "params": {"q": "x" * 9000}}, 414, "uri_too_long"),
+        (
+            {"method": "GET", "headers": {"X-Big": "x" * 9000}},
+            431,
+            "request_header_fields_too_large",
+        ),
+    ],
+    ids=["oversized-body", "long-uri", "large-header"],
+)
+def test_nginx_refusals_are_json_error_objects(
+    start_gunicorn, start_nginx, session, auth, request_kwargs, status, code
+):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    kwargs = dict(request_kwargs)
+    headers = {**auth, "Content-Type": "application/json", **kwargs.pop("headers", {})}
+    response = session.request(url=f"{nginx.url}/v1/pets", headers=headers, **kwargs)
+    assert response.status_code == status
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json()["code"] == code
+    assert response.json()["status"] == status
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
+    assert request_lines(gunicorn) == []  # nginx answered; the app never saw it
+
+
+def test_request_nginx_cannot_parse_is_a_json_400(start_gunicorn, start_nginx, certificate):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    context = ssl.create_default_context(cafile=str(certificate[0]))
+    with (
+        socket.create_connection(("127.0.0.1", nginx.https_port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(b"GET /v1/pets HTTP/1.1\r\nHost: bad/host\r\n\r\n")
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert b"\r\nContent-Type: application/json\r\n" in head
+    assert json.loads(body) == {
+        "code": "bad_request",
+        "message": "The request is malformed.",
+        "status": 400,
+    }
+
+
+def test_largest_body_nginx_allows_reaches_the_app(start_gunicorn, start_nginx, session, auth):
+    nginx = start_nginx([address(start_gunicorn(workers=1))])
+    body = json.dumps({"name": "Rex", "categoryId": 1}).ljust(64 * 1024).encode()
+    response = session.post(
+        f"{nginx.url}/v1/pets", data=body, headers={**auth, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 201
+
+
+def test_stopped_upstream_is_a_json_502(start_gunicorn, start_nginx, session, auth):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    gunicorn.stop()
+    response = session.get(f"{nginx.url}/v1/pets", headers=auth)
+    assert response.status_code == 502
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["Retry-After"] == "5"
+    assert response.json() == {
+        "code": "bad_gateway",
+        "message": "The service is not reachable; try again later.",
+        "status": 502,
+    }
+
+
+def test_silent_upstream_is_a_json_504(start_nginx, session, auth):
+    # Accepts connections (the kernel's backlog) and never answers, like a hung instance.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        upstream = f"127.0.0.1:{silent.getsockname()[1]}"
+        nginx = start_nginx([upstream], proxy_read_timeout="1s")
+        response = session.get(f"{nginx.url}/v1/pets", headers=auth)
+    assert response.status_code == 504
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json() == {
+        "code": "gateway_timeout",
+        "message": "The service did not answer in time.",
+        "status": 504,
+    }
+
+
+def test_sigterm_during_writes_loses_nothing_acknowledged(
+    start_gunicorn, start_nginx, session, auth, app
+):
+    gunicorn = start_gunicorn(workers=2)
+    nginx = start_nginx([address(gunicorn)])
+    acknowledged, statuses = [], []
+    enough_written = threading.Event()
+
+    def write(worker):
+        for n in range(10_000):
+            response = session.post(
+                f"{nginx.url}/v1/pets",
+                json={"name": f"w{worker}-{n}", "categoryId": n},
+                headers=auth,
+            )
+            statuses.append(response.status_code)
+            if response.status_code == 201:
+                acknowledged.append(response.json())
+            if len(acknowledged) >= 40:
+                enough_written.set()
+            if response.status_code == 502:
+                return
+
+    with ThreadPoolExecutor(4) as pool:
+        writers = [pool.submit(write, worker) for worker in range(4)]
+        assert enough_written.wait(60)
+        gunicorn.process.send_signal(signal.SIGTERM)
+        assert gunicorn.process.wait(timeout=35) == 0
+        for writer in writers:
+            writer.result(timeout=30)
+
+    # Every request either was acknowledged or refused at the door; none failed halfway.
+    assert set(statuses) == {201, 502}
+    with app.test_client() as client:
+        stored = client.get("/v1/pets?limit=100", headers=auth)
+        stored_pets = stored.json
+        while "next" in stored.headers.get("Link", ""):
+            next_url = re.search(r"<([^>]+)>", stored.headers["Link"]).group(1)
+            stored = client.get(next_url, headers=auth)
+            stored_pets += stored.json
+    assert sorted(stored_pets, key=lambda pet: pet["id"]) == sorted(
+        acknowledged, key=lambda pet: pet["id"]
+    )
+
+
+@pytest.mark.skipif(
+    not TEST_DATABASE_URL, reason="scale-out needs PostgreSQL (SQLite serves one machine only)"
+)
+def test_two_instances_on_one_postgresql_lose_and_duplicate_nothing(
+    start_gunicorn, start_nginx, session, auth, count_pets
+):
+    instances = [start_gunicorn(workers=1), start_gunicorn(workers=1)]
+    nginx = start_nginx([address(instance) for instance in instances])
+
+    def create(n):
+        response = session.post(
+            f"{nginx.url}/v1/pets", json={"name": f"pet{n}", "categoryId": n}, headers=auth
+        )
+        assert response.status_code == 201
+        return response.json()
+
+    def read(n):
+        response = session.get(f"{nginx.url}/v1/pets?limit=5", headers=auth)
+        assert response.status_code == 200
+        return response.json()
+
+    with ThreadPoolExecutor(8) as pool:
+        creations = pool.map(create, range(200))
+        reads = pool.map(read, range(100))
+        created, _ = list(creations), list(reads)
+
+    ids = [pet["id"] for pet in created]
+    assert len(set(ids)) == 200
+    assert count_pets() == 200
+    walked, pages, url = [], 0, f"{nginx.url}/v1/pets?limit=100"
+    while url:
+        page = session.get(url, headers=auth)
+        pages += 1
+        walked += page.json()
+        url = page.links.get("next", {}).get("url")
+    assert sorted(walked, key=lambda pet: pet["id"]) == sorted(created, key=lambda pet: pet["id"])
+    served = [len(request_lines(instance)) for instance in instances]
+    assert all(count > 0 for count in served), served
+    assert sum(served) == 200 + 100 + pages
+
+    # An Idempotency-Key is honoured whichever instance the retry reaches: the record is shared.
+    retry = {**auth, "Idempotency-Key": "scale-out-1"}
+    first = session.post(
+        f"{nginx.url}/v1/pets", json={"name": "Once", "categoryId": 1}, headers=retry
+    )
+    second = session.post(
+        f"{nginx.url}/v1/pets", json={"name": "Once", "categoryId": 1}, headers=retry
+    )
+    assert first.json() == second.json()
+    answered_by = [
+        next(
+            i
+            for i, instance in enumerate(instances)
+            if any(
+                line["request_id"] == response.headers["X-Request-ID"]
+                for line in request_lines(instance)
+            )
+        )
+        for response in (first, second)
+    ]
+    assert sorted(answered_by) == [0, 1]
+    assert count_pets() == 201

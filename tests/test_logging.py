@@ -1,0 +1,120 @@
+"""Request IDs and JSON log lines: shape, the request ID in every line, and never the key."""
+
+import json
+import re
+
+import pytest
+
+
+def log_lines(capsys):
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_request_id_generated_when_absent(client, auth):
+    first = client.get("/v1/pets", headers=auth).headers["X-Request-ID"]
+    second = client.get("/v1/pets", headers=auth).headers["X-Request-ID"]
+    assert re.fullmatch(r"[0-9a-f]{32}", first)
+    assert first != second
+
+
+@pytest.mark.parametrize(
+    "request_id", ["abc", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "trace:span.1_x", "x" * 200]
+)
+def test_valid_request_id_kept(client, auth, request_id):
+    response = client.get("/v1/pets", headers={**auth, "X-Request-ID": request_id})
+    assert response.headers["X-Request-ID"] == request_id
+
+
+@pytest.mark.parametrize("request_id", ["", "x" * 201, "has space", "semi;colon", "é", "a/b"])
+def test_invalid_request_id_replaced(client, auth, request_id):
+    response = client.get("/v1/pets", headers={**auth, "X-Request-ID": request_id})
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
+
+
+@pytest.mark.parametrize(
+    ("path", "status"), [("/v1/pets", 401), ("/nowhere", 404), ("/healthz", 200)]
+)
+def test_request_id_on_every_response(client, path, status):
+    response = client.get(path, headers={"X-Request-ID": "given-id"})
+    assert response.status_code == status
+    assert response.headers["X-Request-ID"] == "given-id"
+
+
+def test_one_json_line_per_request(client, auth, capsys):
+    capsys.readouterr()
+    client.post(
+        "/v1/pets?dry=1",
+        json={"name": "Rex", "categoryId": 1},
+        headers={**auth, "X-Request-ID": "req-1"},
+        environ_base={"REMOTE_ADDR": "192.0.2.7"},
+    )
+    [line] = log_lines(capsys)
+    assert set(line) == {
+        "time",
+        "level",
+        "logger",
+        "message",
+        "request_id",
+        "method",
+        "path",
+        "query",
+        "status",
+        "duration_ms",
+        "remote_addr",
+        "api_key_name",
+        "api_key_prefix",
+    }
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", line["time"])
+    assert line["level"] == "INFO"
+    assert line["logger"] == "animal_store.request"
+    assert line["request_id"] == "req-1"
+    assert (line["method"], line["path"], line["query"]) == ("POST", "/v1/pets", "dry=1")
+    assert line["status"] == 201
+    assert line["duration_ms"] >= 0
+    assert line["remote_addr"] == "192.0.2.7"
+    assert line["api_key_name"] == "tester"
+    assert line["api_key_prefix"] == auth["Authorization"].removeprefix("Bearer ")[:10]
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
+def test_logs_never_hold_the_key(client, api_key, capsys, scheme):
+    capsys.readouterr()
+    client.get("/v1/pets", headers={"Authorization": f"{scheme} {api_key}"})
+    client.get("/v1/pets", headers={"Authorization": f"{scheme} {api_key}x"})  # a wrong key
+    output = capsys.readouterr().out
+    assert api_key not in output
+    assert "Authorization" not in output
+    assert len(output.splitlines()) == 2
+
+
+def test_unauthenticated_request_logs_no_key_name(client, capsys):
+    capsys.readouterr()
+    client.get("/v1/pets")
+    [line] = log_lines(capsys)
+    assert (line["status"], line["api_key_name"], line["api_key_prefix"]) == (401, None, None)
+
+
+def test_every_line_of_a_request_has_its_id(make_app, capsys):
+    app = make_app()
+
+    @app.get("/fails")
+    def fails():
+        app.logger.warning("about to fail")
+        raise RuntimeError("boom")
+
+    capsys.readouterr()
+    response = app.test_client().get("/fails", headers={"X-Request-ID": "req-2"})
+    assert response.status_code == 500
+    lines = log_lines(capsys)
+    messages = [line["message"] for line in lines]
+    assert messages == ["about to fail", "Unhandled exception", "request"]
+    assert {line["request_id"] for line in lines} == {"req-2"}
+    assert "RuntimeError: boom" in lines[1]["exception"]
+    assert lines[1]["level"] == "ERROR"
+
+
+def test_log_level_setting_filters_request_lines(make_app, capsys):
+    app = make_app(LOG_LEVEL="WARNING")
+    capsys.readouterr()
+    app.test_client().get("/healthz")
+    assert capsys.readouterr().out == ""

@@ -1,0 +1,276 @@
+"""Database outages: PostgreSQL unreachable (refused or silent) answers 503 within a bounded
+time and recovers by itself; a SQLite file on a read-only or full filesystem answers 503 and
+keeps nothing half-written."""
+
+import contextlib
+import os
+import select
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from animal_store.auth import issue_key
+from animal_store.extensions import db
+from animal_store.models import Pet
+
+# An unreachable database must be reported within this many seconds (connect timeout 3 s).
+OUTAGE_BOUND = 8
+NEW_PET = {"name": "Rex", "categoryId": 1}
+
+
+class TcpProxy:
+    """A loopback TCP proxy the test can break: forward, refuse connections, or go silent."""
+
+    def __init__(self, target_host, target_port):
+        self.target = (target_host, target_port)
+        self.port = None
+        self.mode = "forward"
+        self.listener = None
+        self.sockets = []
+        self.lock = threading.Lock()
+        self.listen()
+
+    def listen(self):
+        self.listener = socket.create_server(("127.0.0.1", self.port or 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, args=(self.listener,), daemon=True).start()
+
+    def accept(self, listener):
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # listener closed
+            with self.lock:
+                self.sockets.append(client)
+            if self.mode == "forward":
+                upstream = socket.create_connection(self.target)
+                with self.lock:
+                    self.sockets.append(upstream)
+                threading.Thread(target=self.pipe, args=(client, upstream), daemon=True).start()
+            # silent: the connection is accepted and never answered
+
+    def pipe(self, client, upstream):
+        pair = {client: upstream, upstream: client}
+        try:
+            while True:
+                readable, _, _ = select.select(list(pair), [], [], 0.5)
+                for source in readable:
+                    data = source.recv(65536)
+                    if not data:
+                        return
+                    pair[source].sendall(data)
+        except OSError:
+            return  # closed by drop_connections
+
+    def drop_connections(self):
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def stop_listening(self):
+        # shutdown wakes the thread blocked in accept(); close alone would leave it listening.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+    def refuse(self):
+        """Nothing listens: connections are refused, as when the server is down."""
+        self.stop_listening()
+        self.drop_connections()
+
+    def go_silent(self):
+        """Connections are accepted and never answered, as with a black-holed host."""
+        self.mode = "silent"
+        self.drop_connections()
+        if self.listener.fileno() == -1:
+            self.listen()
+
+    def restore(self):
+        self.mode = "forward"
+        if self.listener.fileno() == -1:
+            self.listen()
+
+    def close(self):
+        self.stop_listening()
+        self.drop_connections()
+
+
+@pytest.fixture
+def proxied(make_app, database_url):
+    """An app reaching the test's PostgreSQL through a TcpProxy, a key for it, and the proxy."""
+    url = make_url(database_url)
+    if not url.drivername.startswith("postgresql"):
+        pytest.skip("needs PostgreSQL: set TEST_DATABASE_URL")
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    app = make_app(DATABASE_URL=url.set(port=proxy.port).render_as_string(hide_password=False))
+    with app.app_context():
+        _, key = issue_key("tester")
+        db.session.commit()
+    yield app, {"Authorization": f"Bearer {key}"}, proxy
+    proxy.close()
+
+
+def timed(client, method, path, headers, **kwargs):
+    """Send a request in a thread, so a hang fails the test instead of stopping it."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(client.open, path, method=method, headers=headers, **kwargs)
+        response = future.result(timeout=OUTAGE_BOUND * 3)
+    return response, time.monotonic() - started
+
+
+def assert_unavailable(response, elapsed):
+    assert response.status_code == 503
+    assert response.get_json() == {
+        "code": "service_unavailable",
+        "message": "The database is unavailable; retry later.",
+        "status": 503,
+    }
+    assert response.headers["Retry-After"] == "5"
+    assert elapsed < OUTAGE_BOUND
+
+
+def count(app):
+    with app.app_context():
+        return db.session.scalar(sa.select(sa.func.count()).select_from(Pet))
+
+
+@pytest.mark.parametrize("breakage", ["refuse", "go_silent"])
+def test_unreachable_postgresql_answers_503_and_recovers(proxied, breakage):
+    app, headers, proxy = proxied
+    client = app.test_client()
+    assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+
+    getattr(proxy, breakage)()
+    for method, kwargs in [("GET", {}), ("POST", {"json": NEW_PET})]:
+        response, elapsed = timed(client, method, "/v1/pets", headers, **kwargs)
+        print(f"{breakage}: {method} answered {response.status_code} in {elapsed:.2f} s")
+        assert_unavailable(response, elapsed)
+    # An unknown key needs the database too: 503, not 401.
+    response, elapsed = timed(client, "GET", "/v1/pets", {"Authorization": "Bearer ask_unknown"})
+    assert_unavailable(response, elapsed)
+    # And the readiness probe says so, within the same bound, so a balancer stops sending.
+    readiness, elapsed = timed(client, "GET", "/readyz", {})
+    assert readiness.status_code == 503
+    assert readiness.get_json()["code"] == "service_unavailable"
+    assert elapsed < OUTAGE_BOUND
+
+    proxy.restore()
+    # No restart: the pool replaces its broken connections by itself.
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+    assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+    assert count(proxied[0]) == 2  # the refused creation left nothing
+
+
+def test_dropped_connections_are_replaced_without_an_error(proxied):
+    # A database restart or failover closes every pooled connection; pool_pre_ping notices.
+    app, headers, proxy = proxied
+    client = app.test_client()
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+    proxy.drop_connections()
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+
+
+def test_slow_statement_is_cancelled_as_503(make_app, database_url):
+    if not database_url.startswith("postgresql"):
+        pytest.skip("needs PostgreSQL: set TEST_DATABASE_URL")
+    app = make_app(DATABASE_STATEMENT_TIMEOUT=0.2)
+
+    @app.get("/slow")
+    def slow():
+        db.session.execute(sa.text("SELECT pg_sleep(5)"))
+        return {}
+
+    started = time.monotonic()
+    response = app.test_client().get("/slow")
+    assert response.status_code == 503
+    assert time.monotonic() - started < 3
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small tmpfs the test can fill or make read-only; root only (root ignores file modes)."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("needs mount(8)")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
+
+    def remount(mode):
+        subprocess.run(["mount", "-o", f"remount,{mode}", str(mount_point)], check=True)
+
+    yield mount_point, remount
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def sqlite_on_tmpfs(tmpfs, make_app, database_url):
+    if not database_url.startswith("sqlite"):
+        pytest.skip("a SQLite file's filesystem; the PostgreSQL run covers its outages above")
+    mount_point, remount = tmpfs
+    database_file = mount_point / "store.sqlite3"
+    shutil.copyfile(make_url(database_url).database, database_file)
+    app = make_app(DATABASE_URL=f"sqlite:///{database_file}")
+    with app.app_context():
+        _, key = issue_key("tester")
+        db.session.commit()
+    client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
+    assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+    return app, client, headers, mount_point, remount, database_file
+
+
+def assert_intact(app, database_file, pets):
+    with app.app_context():
+        db.engine.dispose()
+        assert db.session.scalar(sa.text("PRAGMA integrity_check")) == "ok"
+        db.session.remove()
+    assert count(app) == pets
+
+
+def test_sqlite_on_read_only_filesystem_answers_503(sqlite_on_tmpfs):
+    app, client, headers, _, remount, database_file = sqlite_on_tmpfs
+    # As the kernel does after disk errors (errors=remount-ro); the pool's open connections
+    # would keep the mount busy, so they are closed first and reopened by the next request.
+    with app.app_context():
+        db.engine.dispose()
+    remount("ro")
+    try:
+        for _ in range(3):
+            response = client.post("/v1/pets", headers=headers, json=NEW_PET)
+            assert_unavailable(response, 0)
+    finally:
+        remount("rw")
+    assert_intact(app, database_file, 1)
+    assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+
+
+def test_sqlite_on_full_disk_answers_503(sqlite_on_tmpfs):
+    app, client, headers, mount_point, _, database_file = sqlite_on_tmpfs
+    filler = mount_point / "filler"
+    with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
+        while True:
+            fill.write(b"\0" * 4096)  # until: no space left on device
+    try:
+        statuses = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(3)]
+        for response in statuses:
+            assert_unavailable(response, 0)
+    finally:
+        os.remove(filler)
+    assert_intact(app, database_file, 1)
+    assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201

@@ -1,0 +1,171 @@
+"""Per-key rate limits: 429 with the error object, Retry-After and RateLimit-* headers; one
+budget per key across the pets operations; never on documents or health; off by a setting; a
+broken store serves unlimited; with Redis the limit holds across gunicorn workers."""
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from conftest import free_port
+
+from animal_store import create_app
+
+TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
+
+
+@pytest.fixture
+def redis_url():
+    """The test Redis database, emptied; the test skips when no Redis answers."""
+    import redis
+
+    connection = redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1)
+    try:
+        connection.flushdb()
+    except redis.ConnectionError as error:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL} ({error}); set TEST_REDIS_URL")
+    finally:
+        connection.close()
+    return TEST_REDIS_URL
+
+
+@pytest.fixture
+def limited(make_app, make_key):
+    """A client of an app allowing 3 requests per hour per key, and headers with a fresh key."""
+
+    def make(limit="3 per hour", **settings):
+        app = make_app(RATE_LIMIT=limit, **settings)
+        return app.test_client()
+
+    return make
+
+
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_limit_answers_429_with_error_object_and_headers(limited, make_key):
+    client, headers = limited(), bearer(make_key())
+    for remaining in (2, 1, 0):
+        response = client.get("/v1/pets", headers=headers)
+        assert response.status_code == 200
+        assert response.headers["RateLimit-Limit"] == "3"
+        assert response.headers["RateLimit-Remaining"] == str(remaining)
+        assert 0 < int(response.headers["RateLimit-Reset"]) <= 3600
+    response = client.get("/v1/pets", headers=headers)
+    assert response.status_code == 429
+    assert response.get_json() == {
+        "code": "too_many_requests",
+        "message": "Too many requests: the limit is 3 per 1 hour; see Retry-After.",
+        "status": 429,
+    }
+    assert 0 < int(response.headers["Retry-After"]) <= 3600
+    assert response.headers["RateLimit-Remaining"] == "0"
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_each_key_has_its_own_budget(limited, make_key):
+    client, first, second = limited(), bearer(make_key("first")), bearer(make_key("second"))
+    for _ in range(3):
+        assert client.get("/v1/pets", headers=first).status_code == 200
+    assert client.get("/v1/pets", headers=first).status_code == 429
+    assert client.get("/v1/pets", headers=second).status_code == 200
+
+
+def test_the_operations_share_one_budget(limited, make_key, count_pets):
+    client, headers = limited(), bearer(make_key())
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+    assert (
+        client.post("/v1/pets", headers=headers, json={"name": "Rex", "categoryId": 1}).status_code
+        == 201
+    )
+    assert client.get("/v1/pets/1", headers=headers).status_code == 200
+    refused = client.post("/v1/pets", headers=headers, json={"name": "Max", "categoryId": 1})
+    assert refused.status_code == 429
+    assert count_pets() == 1  # the refused creation created nothing
+
+
+def test_requests_without_a_key_are_counted_per_address(limited):
+    client = limited("2 per hour")
+    assert [client.get("/v1/pets").status_code for _ in range(3)] == [401, 401, 429]
+
+
+@pytest.mark.parametrize("path", ["/v1/openapi.json", "/v1/docs", "/healthz", "/readyz", "/"])
+def test_documents_and_health_are_never_limited(limited, make_key, path):
+    client, headers = limited("1 per hour"), bearer(make_key())
+    for _ in range(3):
+        with client.get(path, headers=headers) as response:
+            assert response.status_code != 429
+            assert "RateLimit-Limit" not in response.headers
+
+
+def test_limiting_can_be_switched_off(limited, make_key):
+    client, headers = limited("1 per hour", RATE_LIMIT_ENABLED=False), bearer(make_key())
+    for _ in range(3):
+        response = client.get("/v1/pets", headers=headers)
+        assert response.status_code == 200
+        assert "RateLimit-Limit" not in response.headers
+
+
+def test_environment_switches_limiting_off(monkeypatch, database_url):
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    monkeypatch.setenv("ANIMAL_STORE_RATE_LIMIT_ENABLED", "false")
+    monkeypatch.delenv("ANIMAL_STORE_ENV", raising=False)
+    app = create_app()
+    assert app.config["RATE_LIMIT_ENABLED"] is False
+    for _ in range(3):
+        response = app.test_client().get("/v1/pets")
+        assert "RateLimit-Limit" not in response.headers
+
+
+def test_unreachable_storage_serves_unlimited_and_logs(limited, make_key, caplog):
+    client = limited("1 per hour", RATE_LIMIT_STORAGE_URI=f"redis://127.0.0.1:{free_port()}/0")
+    headers = bearer(make_key())
+    with caplog.at_level(logging.ERROR, logger="flask-limiter"):
+        statuses = [client.get("/v1/pets", headers=headers).status_code for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    assert "Failed to rate limit" in caplog.text
+
+
+def test_redis_storage_is_shared_between_apps(limited, make_key, redis_url):
+    # Two apps stand for two workers: with Redis they count together.
+    first, second = (
+        limited(RATE_LIMIT_STORAGE_URI=redis_url),
+        limited(RATE_LIMIT_STORAGE_URI=redis_url),
+    )
+    headers = bearer(make_key())
+    statuses = [
+        client.get("/v1/pets", headers=headers).status_code for client in (first, second) * 2
+    ]
+    assert statuses == [200, 200, 200, 429]
+
+
+def statuses_of_parallel_requests(url, headers, count):
+    def get(_):
+        # A new connection per request, so the requests spread over the workers.
+        return requests.get(url, headers=headers, timeout=10).status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(get, range(count)))
+
+
+def test_limit_holds_across_four_gunicorn_workers(start_gunicorn, make_key, redis_url):
+    server = start_gunicorn(
+        workers=4,
+        env={
+            "ANIMAL_STORE_RATE_LIMIT": "20 per hour",
+            "ANIMAL_STORE_RATE_LIMIT_STORAGE_URI": redis_url,
+        },
+    )
+    statuses = statuses_of_parallel_requests(server.url + "/v1/pets", bearer(make_key()), 60)
+    assert statuses.count(200) == 20
+    assert statuses.count(429) == 40
+
+
+def test_memory_storage_multiplies_the_limit_by_the_workers(start_gunicorn, make_key):
+    # Why the README says to use Redis with several workers: each counts on its own.
+    server = start_gunicorn(workers=4, env={"ANIMAL_STORE_RATE_LIMIT": "20 per hour"})
+    statuses = statuses_of_parallel_requests(server.url + "/v1/pets", bearer(make_key()), 60)
+    assert statuses.count(200) > 20
+    assert set(statuses) == {200, 429}
