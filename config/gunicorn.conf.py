@@ -48,6 +48,12 @@ logconfig_dict = {
 }
 
 
+def post_worker_init(worker):
+    # Said once a worker has loaded the app and takes requests, so an operator (or a test) can
+    # tell a server whose workers have all started from one whose first worker alone serves.
+    worker.log.info("Worker ready (pid: %s)", worker.pid)
+
+
 def write_json_error(sock, status, reason, _message):
     # Requests gunicorn cannot parse (headers or URL over its limits, broken chunked bodies) are
     # answered by gunicorn itself: with the API's error object rather than an HTML page.

@@ -159,6 +159,7 @@ class Gunicorn:
 
     def __init__(self, database_url, workers=2, env=None, log_path=None):
         self.port = free_port()
+        self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         environment = {**os.environ, "DATABASE_URL": database_url, **(env or {})}
@@ -183,10 +184,15 @@ class Gunicorn:
         )
 
     def wait_until_serving(self, timeout=20):
+        """Return once every worker has loaded the app and one of them answers: a test that
+        spreads requests over the workers must not find most of them still booting."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gunicorn exited: {self.log()}")
+            if self.log().count("Worker ready") < self.workers:
+                time.sleep(0.05)
+                continue
             try:
                 if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self
