@@ -51,11 +51,17 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_response(status, code, message, errors=None, headers=None):
+def error_body(status, code, message, errors=None) -> dict:
+    """The error object, put together here only: for the app's answers and for gunicorn's."""
     body = {"code": code, "message": message, "status": status}
     if errors:
         body["errors"] = errors
-    return current_app.json.response(error_schema.dump(body)), status, headers or {}
+    return error_schema.dump(body)
+
+
+def error_response(status, code, message, errors=None, headers=None):
+    body = error_body(status, code, message, errors)
+    return current_app.json.response(body), status, headers or {}
 
 
 def handle_api_error(error: APIError):
@@ -142,7 +148,7 @@ def raw_error_response(status: int, reason: str) -> bytes:
     never gunicorn's message, which may quote what the client sent (a header with a key).
     """
     code = HTTP_ERROR_CODES.get(status, "bad_request")
-    body = orjson.dumps({"code": code, "message": f"{reason}.", "status": status})
+    body = orjson.dumps(error_body(status, code, f"{reason}."))
     head = (
         f"HTTP/1.1 {status} {reason}\r\n"
         "Connection: close\r\n"
