@@ -205,14 +205,19 @@ class Gunicorn:
         return Path(self.log_path).read_text(errors="replace")
 
     def stop(self):
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process, timeout=30)
         self.log_file.close()
+
+
+def stop_process(process, timeout):
+    """Stop a server this test started, by PID: SIGTERM, then SIGKILL after `timeout` seconds."""
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 @pytest.fixture

@@ -3,13 +3,12 @@
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from conftest import PROJECT_DIR, free_port
+from conftest import PROJECT_DIR, free_port, stop_process
 
 NGINX = shutil.which("nginx") or next(
     (path for path in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(path, os.X_OK)), None
@@ -132,10 +131,4 @@ class Nginx:
             time.sleep(0.02)
 
     def stop(self):
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process, timeout=10)
