@@ -4,23 +4,21 @@ from pathlib import Path
 
 from flask import Flask
 
-from animal_store import health, pets
+from animal_store import health, openapi, pets
+from animal_store.api import register_api
 from animal_store.cli import register_commands
-from animal_store.errors import register_error_handlers
 from animal_store.extensions import db, migrate, tune_sqlite_connections
-from animal_store.idempotency import init_idempotency
 from animal_store.json_provider import OrjsonProvider
 from animal_store.logs import configure_logging
-from animal_store.openapi import register_openapi
-from animal_store.rate_limits import init_rate_limits
 from animal_store.request_id import init_request_ids
-from animal_store.security_headers import register_security_headers
 from animal_store.settings import load_settings
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
+# The blueprints served under /v1, each inheriting everything the API layer gives (api.py).
+RESOURCES = (pets.bp, openapi.bp)
 
 
-def create_app(test_config=None):
+def create_app(test_config=None, resources=RESOURCES):
     """Create and configure an instance of the animal store."""
     app = Flask(__name__, instance_relative_config=True)
     # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
@@ -32,12 +30,7 @@ def create_app(test_config=None):
     db.init_app(app)
     tune_sqlite_connections(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
-    register_error_handlers(app)
-    init_rate_limits(app)
-    app.register_blueprint(pets.bp, url_prefix="/v1")
+    register_api(app, resources)
     app.register_blueprint(health.bp)
-    register_openapi(app)
     register_commands(app)
-    init_idempotency(app)
-    register_security_headers(app)
     return app

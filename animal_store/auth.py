@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 from flask import current_app, g, request
 
-from animal_store.errors import APIError
+from animal_store import errors
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
@@ -109,12 +109,7 @@ def authenticate():
     """Let the request through only with a valid, unrevoked key; runs before everything else."""
     key = presented_key()
     if key is None:
-        raise APIError(
-            401,
-            "unauthorized",
-            "Send an API key as 'Authorization: Bearer <key>'.",
-            headers={"WWW-Authenticate": REALM},
-        )
+        raise errors.UNAUTHORIZED(headers={"WWW-Authenticate": REALM})
     key_hash = hash_key(key)
     cache = key_cache()
     entry = cache.get(key_hash)
@@ -122,11 +117,8 @@ def authenticate():
         entry = look_up_key(key_hash)
         if entry is None:
             # Unknown and revoked keys are never cached: each such request asks the database.
-            raise APIError(
-                401,
-                "unauthorized",
-                "The API key is not valid or has been revoked.",
-                headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'},
+            raise errors.INVALID_KEY(
+                headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'}
             )
         cache.put(key_hash, entry)
     g.api_key_name = entry.name

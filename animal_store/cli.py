@@ -1,4 +1,5 @@
-"""Command-line management: `flask keys ...` for API keys and `flask quickstart` for a first run."""
+"""The command line, all registered here: `flask keys ...` for API keys, `flask quickstart` for a
+first run, and the commands of the other modules."""
 
 from datetime import UTC, datetime
 
@@ -9,9 +10,12 @@ from flask_migrate import upgrade
 from sqlalchemy.exc import IntegrityError
 from werkzeug.serving import run_simple
 
+from animal_store import errors
 from animal_store.auth import issue_key
 from animal_store.extensions import db
+from animal_store.idempotency import idempotency_cli
 from animal_store.models import ApiKey
+from animal_store.openapi import print_openapi
 from animal_store.seed import seed_command
 
 keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
@@ -67,6 +71,21 @@ def revoke_key(name):
     click.echo(f"Revoked API key {name!r}.")
 
 
+errors_cli = AppGroup("errors", help="Print the error catalogue for the docs and for nginx.")
+
+
+@errors_cli.command("table")
+def print_error_table():
+    """Print the catalogue as docs/errors.rst's table."""
+    click.echo(errors.rst_error_table())
+
+
+@errors_cli.command("nginx")
+def print_nginx_errors():
+    """Print the error bodies nginx answers with, for config/nginx.conf."""
+    click.echo(errors.nginx_error_locations(current_app.config))
+
+
 @click.command("quickstart")
 @with_appcontext
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -98,3 +117,7 @@ def register_commands(app):
     app.cli.add_command(keys_cli)
     app.cli.add_command(quickstart)
     app.cli.add_command(seed_command)
+    app.cli.add_command(idempotency_cli)
+    app.cli.add_command(errors_cli)
+    # Over flask-smorest's `openapi` group: `flask openapi` prints the served document.
+    app.cli.add_command(print_openapi)

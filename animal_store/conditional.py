@@ -1,9 +1,27 @@
 """Conditional GET: an ETag on a view's 200 answers, and 304 when If-None-Match matches it."""
 
 import hashlib
+from copy import deepcopy
 from functools import wraps
 
 from flask import make_response, request
+
+from animal_store.api import Header, view_doc
+
+ETAG = Header(
+    "ETag",
+    "A strong tag of this answer; send it back in `If-None-Match` to get 304 while the answer "
+    "is unchanged.",
+    {"type": "string"},
+    required=True,
+)
+IF_NONE_MATCH = {
+    "in": "header",
+    "name": "If-None-Match",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "ETags of answers the client holds (RFC 9110); a match gets 304 with no body.",
+}
 
 
 def entity_tag(response) -> str:
@@ -20,7 +38,9 @@ def conditional(view):
     """Tag the view's 200 answers with a strong ETag and answer a matching If-None-Match with 304.
 
     If-None-Match uses the weak comparison (RFC 9110 13.1.2): a listed tag matches with or
-    without its W/ prefix, and `*` matches any current representation.
+    without its W/ prefix, and `*` matches any current representation. Werkzeug's pieces, but not
+    its Response.make_conditional: that adds a Date header, and gunicorn writes one of its own, so
+    the answer would carry two.
     """
 
     @wraps(view)
@@ -36,4 +56,17 @@ def conditional(view):
             response.set_data(b"")
         return response
 
+    # A copy: the view's own declarations stay as they were.
+    tagged_view._apidoc = deepcopy(view_doc(view))
+    doc = tagged_view._apidoc
+    doc.setdefault("arguments", {}).setdefault("parameters", []).append(IF_NONE_MATCH)
+    responses = doc.setdefault("response", {}).setdefault("responses", {})
+    responses.setdefault(200, []).append({"headers": {"ETag": ETAG}, "content_type": None})
+    responses.setdefault(304, []).append(
+        {
+            "description": "Unchanged since the `If-None-Match` tag: no body.",
+            "headers": {"ETag": ETAG},
+            "content_type": None,
+        }
+    )
     return tagged_view

@@ -1,30 +1,230 @@
-"""The one place error responses are built: every failure becomes {code, message, status}."""
+"""The error catalogue, and the one place error responses are built as {code, message, status}.
+
+Every error the service (or gunicorn and nginx in front of it) can answer is an ErrorKind below:
+its HTTP status, its stable code, its message and when it happens. From this list come the app's
+error responses, the error responses of the OpenAPI document, the error table of docs/errors.rst,
+gunicorn's answers to requests it cannot parse and nginx's error bodies (`flask nginx-errors`).
+"""
+
+from contextlib import suppress
+from dataclasses import dataclass
+from http import HTTPStatus
 
 import orjson
 from flask import current_app, request
-from gunicorn.http.errors import ParseException as GunicornParseError
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException, InternalServerError
 
 from animal_store.extensions import db
 from animal_store.schemas import ErrorSchema
 
-# Stable codes for the HTTP errors Flask and Werkzeug raise on their own.
-HTTP_ERROR_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "payload_too_large",
-    414: "uri_too_long",
-    415: "unsupported_media_type",
-    417: "expectation_failed",
-    429: "too_many_requests",
-    431: "request_header_fields_too_large",
-    500: "internal_error",
-    501: "not_implemented",
-    503: "service_unavailable",
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """One entry of the catalogue; calling it with the message's values makes the APIError."""
+
+    status: int
+    code: str
+    # A str.format template; its fields are filled in where the error is raised.
+    message: str
+    # For the OpenAPI document and docs/errors.rst: when a client meets it.
+    when: str
+    # Response headers it always carries (documented; set where it is raised).
+    headers: tuple[str, ...] = ()
+
+    def __call__(self, errors=None, headers=None, **values) -> "APIError":
+        return APIError(self, self.message.format(**values), errors, headers)
+
+
+class APIError(Exception):
+    """An error the API answers on purpose: a kind of the catalogue with its message filled in."""
+
+    def __init__(self, kind: ErrorKind, message: str, errors=None, headers=None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.errors = errors
+        self.headers = headers or {}
+
+
+# The catalogue, in the order of docs/errors.rst.
+VALIDATION_ERROR = ErrorKind(
+    400,
+    "validation_error",
+    "Invalid {where}: {fields}.",
+    "A query parameter, a header or a field of the body is invalid; `errors` names each one.",
+)
+INVALID_JSON = ErrorKind(
+    400, "invalid_json", "The body is not valid JSON: {reason}.", "The body does not parse as JSON."
+)
+NOT_AN_OBJECT = ErrorKind(
+    400, "invalid_json", "The body must be a JSON object.", "The body is JSON but not an object."
+)
+TRUNCATED_BODY = ErrorKind(
+    400,
+    "bad_request",
+    "The body ended after {received} of its {expected} bytes.",
+    "The body ended before its `Content-Length`.",
+)
+MALFORMED_BODY = ErrorKind(
+    400,
+    "bad_request",
+    "The request body is malformed: {reason}.",
+    "The body's chunked framing is broken.",
+)
+BAD_REQUEST = ErrorKind(
+    400,
+    "bad_request",
+    "The request is malformed.",
+    "The request cannot be parsed at all (answered by gunicorn or nginx).",
+)
+UNAUTHORIZED = ErrorKind(
+    401,
+    "unauthorized",
+    "Send an API key as 'Authorization: Bearer <key>'.",
+    "No API key was sent.",
+    ("WWW-Authenticate",),
+)
+INVALID_KEY = ErrorKind(
+    401,
+    "unauthorized",
+    "The API key is not valid or has been revoked.",
+    "The API key is wrong or revoked.",
+    ("WWW-Authenticate",),
+)
+FORBIDDEN = ErrorKind(
+    403, "forbidden", "The request is forbidden.", "Refused by the server before the app runs."
+)
+NOT_FOUND = ErrorKind(404, "not_found", "No resource at {path}.", "No route has this path.")
+PET_NOT_FOUND = ErrorKind(404, "not_found", "No animal with id {pet_id}.", "No animal has this id.")
+METHOD_NOT_ALLOWED = ErrorKind(
+    405,
+    "method_not_allowed",
+    "Method {method} is not allowed on {path}; use {allowed}.",
+    "The path does not have this method.",
+    ("Allow",),
+)
+IDEMPOTENCY_KEY_IN_USE = ErrorKind(
+    409,
+    "idempotency_key_in_use",
+    "A request with this Idempotency-Key is still being processed; retry shortly.",
+    "A request with this `Idempotency-Key` is still running.",
+    ("Retry-After",),
+)
+IDEMPOTENCY_KEY_RACING = ErrorKind(
+    409,
+    "idempotency_key_in_use",
+    "Requests with this Idempotency-Key are racing; retry shortly.",
+    "Requests with this `Idempotency-Key` keep taking it from each other.",
+    ("Retry-After",),
+)
+IDEMPOTENCY_CLAIM_LOST = ErrorKind(
+    409,
+    "idempotency_key_in_use",
+    "This request outlived its claim on the Idempotency-Key; retry to get the answer.",
+    "The request ran past the key's lease and another took the key over.",
+    ("Retry-After",),
+)
+PAYLOAD_TOO_LARGE = ErrorKind(
+    413,
+    "payload_too_large",
+    "The request body is larger than the limit of {limit} bytes.",
+    "The body is over the server's limit (`MAX_CONTENT_LENGTH`, 64 KiB by default).",
+)
+URI_TOO_LONG = ErrorKind(
+    414, "uri_too_long", "The request URI is too long.", "The request line is over the limit."
+)
+UNSUPPORTED_MEDIA_TYPE = ErrorKind(
+    415,
+    "unsupported_media_type",
+    "Send the body as JSON with 'Content-Type: application/json'.",
+    "The body is not sent as `application/json`.",
+)
+EXPECTATION_FAILED = ErrorKind(
+    417,
+    "expectation_failed",
+    "The expectation cannot be met.",
+    "An `Expect` header other than `100-continue`.",
+)
+IDEMPOTENCY_KEY_REUSED = ErrorKind(
+    422,
+    "idempotency_key_reused",
+    "This Idempotency-Key was used with a different request body; use a new key.",
+    "This `Idempotency-Key` was used with another body.",
+)
+TOO_MANY_REQUESTS = ErrorKind(
+    429,
+    "too_many_requests",
+    "Too many requests: the limit is {limit}; see Retry-After.",
+    "This API key made too many requests in the current window.",
+    ("Retry-After",),
+)
+HEADERS_TOO_LARGE = ErrorKind(
+    431,
+    "request_header_fields_too_large",
+    "The request headers are too large.",
+    "A header, or all of them together, is over the limit.",
+)
+INTERNAL_ERROR = ErrorKind(
+    500,
+    "internal_error",
+    "The server failed to handle the request.",
+    "A bug in the service, logged on the server.",
+)
+NOT_IMPLEMENTED = ErrorKind(
+    501,
+    "not_implemented",
+    "The request uses a transfer coding the server does not support.",
+    "A `Transfer-Encoding` other than chunked.",
+)
+BAD_GATEWAY = ErrorKind(
+    502,
+    "bad_gateway",
+    "The service is not reachable; try again later.",
+    "nginx reaches no instance of the service.",
+    ("Retry-After",),
+)
+DATABASE_UNAVAILABLE = ErrorKind(
+    503,
+    "service_unavailable",
+    "The database is unavailable; retry later.",
+    "The database cannot be reached or written just now; nothing was changed.",
+    ("Retry-After",),
+)
+SERVICE_UNAVAILABLE = ErrorKind(
+    503,
+    "service_unavailable",
+    "The service is unavailable; try again later.",
+    "nginx has no instance that can take the request.",
+    ("Retry-After",),
+)
+GATEWAY_TIMEOUT = ErrorKind(
+    504,
+    "gateway_timeout",
+    "The service did not answer in time.",
+    "The service did not answer nginx in time.",
+)
+
+CATALOGUE = tuple(kind for kind in globals().values() if isinstance(kind, ErrorKind))
+
+# The kind behind each HTTP error that Werkzeug, Flask or gunicorn raise on their own.
+KIND_OF_STATUS = {
+    400: BAD_REQUEST,
+    401: UNAUTHORIZED,
+    403: FORBIDDEN,
+    404: NOT_FOUND,
+    405: METHOD_NOT_ALLOWED,
+    413: PAYLOAD_TOO_LARGE,
+    414: URI_TOO_LONG,
+    415: UNSUPPORTED_MEDIA_TYPE,
+    417: EXPECTATION_FAILED,
+    429: TOO_MANY_REQUESTS,
+    431: HEADERS_TOO_LARGE,
+    500: INTERNAL_ERROR,
+    501: NOT_IMPLEMENTED,
+    502: BAD_GATEWAY,
+    503: SERVICE_UNAVAILABLE,
+    504: GATEWAY_TIMEOUT,
 }
 
 # What SQLite says when its file cannot be written (read-only, full, broken disk) or stays
@@ -39,55 +239,47 @@ KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
 error_schema = ErrorSchema()
 
 
-class APIError(Exception):
-    """An error the API answers on purpose, with its own code and message."""
-
-    def __init__(self, status, code, message, errors=None, headers=None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.errors = errors
-        self.headers = headers or {}
-
-
-def error_body(status, code, message, errors=None) -> dict:
-    """The error object, put together here only: for the app's answers and for gunicorn's."""
-    body = {"code": code, "message": message, "status": status}
+def error_body(kind: ErrorKind, message: str | None = None, errors=None) -> dict:
+    """The error object, put together here only: for the app's answers, gunicorn's and nginx's."""
+    body = {"code": kind.code, "message": message or kind.message, "status": kind.status}
     if errors:
         body["errors"] = errors
     return error_schema.dump(body)
 
 
-def error_response(status, code, message, errors=None, headers=None):
-    body = error_body(status, code, message, errors)
-    return current_app.json.response(body), status, headers or {}
+def error_response(kind: ErrorKind, message=None, errors=None, headers=None):
+    body = error_body(kind, message, errors)
+    return current_app.json.response(body), kind.status, headers or {}
 
 
 def handle_api_error(error: APIError):
-    return error_response(error.status, error.code, error.message, error.errors, error.headers)
+    return error_response(error.kind, error.message, error.errors, error.headers)
 
 
 def handle_http_exception(error: HTTPException):
     if isinstance(error, InternalServerError):
         return handle_unexpected_error(error.original_exception or error)
     headers = {name: value for name, value in error.get_headers() if name in KEPT_HEADERS}
-    code = HTTP_ERROR_CODES.get(error.code) or error.name.lower().replace(" ", "_")
-    return error_response(error.code, code, http_error_message(error), headers=headers)
+    kind = KIND_OF_STATUS.get(error.code)
+    if kind is None:
+        kind = ErrorKind(error.code, error.name.lower().replace(" ", "_"), error.name, "")
+    return error_response(kind, http_error_message(kind, error), headers=headers)
 
 
-def http_error_message(error: HTTPException) -> str:
-    if error.code == 404:
-        return f"No resource at {request.path}."
-    if error.code == 405:
+def http_error_message(kind: ErrorKind, error: HTTPException) -> str:
+    if kind is NOT_FOUND:
+        return kind.message.format(path=request.path)
+    if kind is METHOD_NOT_ALLOWED:
         allowed = ", ".join(sorted(error.valid_methods or ()))
-        return f"Method {request.method} is not allowed on {request.path}; use {allowed}."
-    if error.code == 429:
-        return f"Too many requests: the limit is {error.description}; see Retry-After."
-    if error.code == 413:
-        limit = current_app.config["MAX_CONTENT_LENGTH"]
-        return f"The request body is larger than the limit of {limit} bytes."
-    return error.description or error.name
+        return kind.message.format(method=request.method, path=request.path, allowed=allowed)
+    if kind is TOO_MANY_REQUESTS:
+        return kind.message.format(limit=error.description)
+    if kind is PAYLOAD_TOO_LARGE:
+        return kind.message.format(limit=current_app.config["MAX_CONTENT_LENGTH"])
+    if kind is BAD_REQUEST:
+        # Werkzeug's own 400s (a client that disconnected mid-body) say what happened.
+        return error.description or kind.message
+    return kind.message
 
 
 def handle_unexpected_error(error: Exception):
@@ -96,7 +288,7 @@ def handle_unexpected_error(error: Exception):
     # The traceback goes to the log, never to the client; the next request gets a clean session.
     current_app.logger.error("Unhandled exception", exc_info=error)
     db.session.rollback()
-    return error_response(500, "internal_error", "The server failed to handle the request.")
+    return error_response(INTERNAL_ERROR)
 
 
 def is_database_outage(error: Exception) -> bool:
@@ -127,30 +319,22 @@ def handle_database_outage(error: Exception):
 
 def database_unavailable() -> APIError:
     """The one answer for a database that cannot be reached or written, /readyz's included."""
-    return APIError(
-        503,
-        "service_unavailable",
-        "The database is unavailable; retry later.",
-        headers={"Retry-After": str(current_app.config["DATABASE_RETRY_AFTER"])},
+    return DATABASE_UNAVAILABLE(
+        headers={"Retry-After": str(current_app.config["DATABASE_RETRY_AFTER"])}
     )
 
 
-def handle_malformed_body(error: GunicornParseError):
-    # gunicorn parses a chunked body only as the app reads it, so its complaint surfaces here.
-    return error_response(400, "bad_request", f"The request body is malformed: {error}.")
-
-
-def raw_error_response(status: int, reason: str) -> bytes:
-    """Return a whole HTTP/1.1 error response, for gunicorn to send before any app runs.
+def raw_error_response(status: int) -> bytes:
+    """Return a whole HTTP/1.1 error response, for a server to send before any app runs.
 
     gunicorn answers requests it cannot parse (header or URL too long, bad chunked framing) on its
-    own; config/gunicorn.conf.py sends this instead of its HTML page. Only the reason is used,
-    never gunicorn's message, which may quote what the client sent (a header with a key).
+    own (animal_store/gunicorn_errors.py); the message is the catalogue's, never the server's,
+    which may quote what the client sent (a header with a key).
     """
-    code = HTTP_ERROR_CODES.get(status, "bad_request")
-    body = orjson.dumps(error_body(status, code, f"{reason}."))
+    kind = KIND_OF_STATUS.get(status, BAD_REQUEST)
+    body = orjson.dumps(error_body(kind))
     head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
+        f"HTTP/1.1 {kind.status} {HTTPStatus(kind.status).phrase}\r\n"
         "Connection: close\r\n"
         "Content-Type: application/json\r\n"
         "X-Content-Type-Options: nosniff\r\n"
@@ -159,8 +343,53 @@ def raw_error_response(status: int, reason: str) -> bytes:
     return head.encode("latin-1") + body
 
 
+def handle_malformed_body(error: Exception):
+    # gunicorn parses a chunked body only as the app reads it, so its complaint surfaces here.
+    return handle_api_error(MALFORMED_BODY(reason=error))
+
+
 def register_error_handlers(app):
-    app.register_error_handler(GunicornParseError, handle_malformed_body)
+    # Optional, so the app imports (and serves under any WSGI server) without gunicorn.
+    with suppress(ImportError):
+        from gunicorn.http.errors import ParseException
+
+        app.register_error_handler(ParseException, handle_malformed_body)
     app.register_error_handler(APIError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
     app.register_error_handler(Exception, handle_unexpected_error)
+
+
+# What nginx answers itself (config/nginx.conf, error_page), by the status it answers with.
+NGINX_ANSWERS = (400, 413, 414, 431, 500, 502, 503, 504)
+
+
+def nginx_error_locations(config) -> str:
+    """Return config/nginx.conf's error bodies, the catalogue's, as its `location` blocks."""
+    blocks = []
+    for status in NGINX_ANSWERS:
+        kind = KIND_OF_STATUS[status]
+        message = kind.message.format(limit=config["MAX_CONTENT_LENGTH"])
+        body = orjson.dumps(error_body(kind, message)).decode()
+        lines = [f"        location = /errors/{status}.json {{"]
+        if kind.headers:
+            # An add_header here replaces the server's, so X-Request-ID is repeated.
+            lines.append("            add_header X-Request-ID $animal_store_request_id always;")
+            retry_after = config["DATABASE_RETRY_AFTER"]
+            lines.append(f"            add_header Retry-After {retry_after} always;")
+        lines += [f"            return {status} '{body}';", "        }"]
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
+
+
+def rst_error_table() -> str:
+    """Return the catalogue as the reStructuredText table of docs/errors.rst."""
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    for row in (("HTTP", "code", "message", "when"), *map(rst_row, CATALOGUE)):
+        lines += [f"   * - {row[0]}", *(f"     - {cell}" for cell in row[1:])]
+    return "\n".join(lines)
+
+
+def rst_row(kind: ErrorKind) -> tuple[str, ...]:
+    # The descriptions are Markdown for the OpenAPI document: `x` is ``x`` in reStructuredText.
+    when = kind.when.replace("`", "``")
+    return (str(kind.status), f"``{kind.code}``", kind.message.replace("*", r"\*"), when)

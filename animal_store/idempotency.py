@@ -28,18 +28,41 @@ from flask import current_app, g, make_response, request
 from flask.cli import AppGroup
 from sqlalchemy.exc import IntegrityError
 
-from animal_store.errors import APIError
+from animal_store import errors
+from animal_store.api import Header
 from animal_store.extensions import db
 from animal_store.models import IdempotencyRecord
 
 HEADER = "Idempotency-Key"
+MAX_KEY_LENGTH = 255
 # A Structured Fields string (RFC 8941) as the draft specifies: printable ASCII in quotes, with
 # \" and \\ the only escapes. Bare, the same characters without spaces, quotes or backslashes.
-BARE_KEY = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+")
-QUOTED_KEY = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
-MAX_KEY_LENGTH = 255
-# How often a retry should come back while the first request is still running.
-RETRY_AFTER_SECONDS = 1
+BARE_CHARACTER = r"[\x21\x23-\x5b\x5d-\x7e]"
+QUOTED_CHARACTER = r'(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])'
+BARE_KEY = re.compile(f"{BARE_CHARACTER}+")
+QUOTED_KEY = re.compile(f'"({QUOTED_CHARACTER}*)"')
+# The same grammar for the document, with the length the service allows.
+KEY_PATTERN = (
+    f'^(?:{BARE_CHARACTER}{{1,{MAX_KEY_LENGTH}}}|"{QUOTED_CHARACTER}{{1,{MAX_KEY_LENGTH}}}")$'
+)
+KEY_PARAMETER = {
+    "in": "header",
+    "name": HEADER,
+    "required": False,
+    "schema": {"type": "string", "pattern": KEY_PATTERN},
+    "description": "draft-ietf-httpapi-idempotency-key-header: 1 to 255 printable ASCII "
+    'characters, as a quoted string (`"abc"`) or bare (`abc`, no spaces, quotes or '
+    "backslashes). A retry with the same key and body gets the first answer again; kept 24 "
+    "hours per API key.",
+}
+IDEMPOTENT_REPLAYED = Header(
+    "Idempotent-Replayed",
+    "`true` when this is the stored answer to an earlier request with the same "
+    "`Idempotency-Key`; nothing was created this time.",
+    {"type": "string", "enum": ["true"]},
+)
+# How soon a retry should come back while the first request is still running.
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 def idempotency_key() -> str | None:
@@ -55,13 +78,12 @@ def idempotency_key() -> str | None:
     else:
         key = ""
     if not 1 <= len(key) <= MAX_KEY_LENGTH:
-        raise APIError(
-            400,
-            "validation_error",
-            f"Invalid header: {HEADER}.",
+        raise errors.VALIDATION_ERROR(
             errors={
                 HEADER: ["Must be 1 to 255 printable ASCII characters, bare or as a quoted string."]
             },
+            where="header",
+            fields=HEADER,
         )
     return key
 
@@ -150,30 +172,16 @@ def claim(api_key_id: int, key: str, fingerprint: bytes):
             take_over(held, delete=True)
             continue
         if existing.fingerprint != fingerprint:
-            raise APIError(
-                422,
-                "idempotency_key_reused",
-                f"This {HEADER} was used with a different request body; use a new key.",
-            )
+            raise errors.IDEMPOTENCY_KEY_REUSED()
         if existing.response_status is not None:
             return replay(existing)
         if now - existing.claimed_at < timedelta(seconds=settings["IDEMPOTENCY_LEASE"]):
-            raise APIError(
-                409,
-                "idempotency_key_in_use",
-                f"A request with this {HEADER} is still being processed; retry shortly.",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+            raise errors.IDEMPOTENCY_KEY_IN_USE(headers=RETRY_AFTER)
         # Abandoned by a worker that died mid-request: nothing of it was committed.
         token = secrets.token_hex(16)
         if take_over(held, claim=token, claimed_at=now):
             return Claim(held.record_id, token)
-    raise APIError(
-        409,
-        "idempotency_key_in_use",
-        f"Requests with this {HEADER} are racing; retry shortly.",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+    raise errors.IDEMPOTENCY_KEY_RACING(headers=RETRY_AFTER)
 
 
 def take_over(held: Claim, delete=False, **changes) -> bool:
@@ -203,12 +211,7 @@ def complete(held: Claim, response) -> None:
         .execution_options(synchronize_session=False)
     )
     if stored.rowcount != 1:
-        raise APIError(
-            409,
-            "idempotency_key_in_use",
-            f"This request outlived its claim on the {HEADER}; retry to get the answer.",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        raise errors.IDEMPOTENCY_CLAIM_LOST(headers=RETRY_AFTER)
     db.session.commit()
 
 
@@ -249,7 +252,3 @@ idempotency_cli = AppGroup("idempotency", help="Look after the stored Idempotenc
 def purge_command():
     """Delete the Idempotency-Keys older than IDEMPOTENCY_TTL."""
     click.echo(f"Purged {purge_expired()} expired idempotency keys.")
-
-
-def init_idempotency(app):
-    app.cli.add_command(idempotency_cli)

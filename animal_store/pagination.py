@@ -22,7 +22,8 @@ CURSOR_VERSION = "1"
 CHECKSUM_SIZE = 8
 # The payload is short; a long cursor can only be garbage, so it is refused before decoding.
 MAX_CURSOR_LENGTH = 64
-CURSOR_TEXT = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_CURSOR_LENGTH}}}")
+CURSOR_SYNTAX = rf"[A-Za-z0-9_-]{{1,{MAX_CURSOR_LENGTH}}}"
+CURSOR_TEXT = re.compile(CURSOR_SYNTAX)
 PAYLOAD = re.compile(rf"{CURSOR_VERSION}\.([1-9][0-9]{{0,18}})\.({'|'.join(PET_STATUSES)}|)")
 
 

@@ -1,29 +1,41 @@
 """The animals resource: listPets, createPet and the deprecated getPet."""
 
-from email.utils import format_datetime
-
-import orjson
 import sqlalchemy as sa
-from flask import Blueprint, current_app, request, url_for
-from marshmallow import ValidationError
-from werkzeug.exceptions import RequestEntityTooLarge
+from flask import url_for
 
-from animal_store.auth import authenticate
+from animal_store import errors
+from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
-from animal_store.errors import APIError
 from animal_store.extensions import db
-from animal_store.idempotency import idempotent
+from animal_store.idempotency import IDEMPOTENT_REPLAYED, KEY_PARAMETER, idempotent
 from animal_store.models import Pet
 from animal_store.pagination import next_page_link
 from animal_store.schemas import INT64_MAX, ListQuerySchema, NewPetSchema, PetSchema
 
 bp = Blueprint("pets", __name__)
-bp.before_request(authenticate)
 
+# Instances, not classes: webargs and flask-smorest would make a new instance per request.
 pet_schema = PetSchema()
 pets_schema = PetSchema(many=True)
 new_pet_schema = NewPetSchema()
 list_query_schema = ListQuerySchema()
+
+LOCATION = Header(
+    "Location", "The absolute URL of the new animal.", {"type": "string", "format": "uri"}, True
+)
+NEXT_LINK = Header(
+    "Link",
+    'RFC 8288: `<absolute URL>; rel="next"`, the next page with the same `limit` and `status`; '
+    "absent on the last page. Follow it, do not build the cursor.",
+    {"type": "string"},
+    component="NextLink",
+)
+PET_ID = {
+    "in": "path",
+    "name": "petId",
+    "schema": {"type": "integer", "format": "int64", "minimum": 1, "maximum": INT64_MAX},
+    "description": "The animal's id. Anything else (text, zero, negative, too large) is 404.",
+}
 
 # Built once at import, not per request: the reads select exactly the four columns the wire
 # format has, with the values bound at execution. Ids are positive, so `id > 0` starts a walk.
@@ -38,11 +50,14 @@ PET_BY_ID = PET_ROW.where(Pet.id == sa.bindparam("pet_id"))
 INSERT_PET = sa.insert(Pet.__table__).returning(Pet.__table__.c.id)
 
 
-@bp.get("/pets")
+@bp.route("/pets", methods=["GET"])
+@bp.doc(operationId="listPets")
+@bp.errors(errors.VALIDATION_ERROR)
 @conditional
-def list_pets():
-    """List a page of animals in ascending id order, optionally only those with one status."""
-    query = load(list_query_schema, request.args, "Invalid query parameter")
+@bp.arguments(list_query_schema, location="query")
+@bp.response(200, pets_schema, description="A page of animals.", headers={"Link": NEXT_LINK})
+def list_pets(query):
+    """List animals, a page at a time, in ascending id order; optionally those of one status."""
     limit, status = query["limit"], query.get("status")
     after = query["cursor"].last_id if "cursor" in query else 0
     # One row past the page tells whether another page follows.
@@ -52,43 +67,50 @@ def list_pets():
     if len(pets) > limit:
         pets = pets[:limit]
         headers["Link"] = next_page_link(pets[-1]["id"], limit, status)
-    return pets_schema.dump(pets), 200, headers
+    return pets, headers
 
 
-@bp.post("/pets")
+@bp.route("/pets", methods=["POST"])
+@bp.doc(operationId="createPet", parameters=[KEY_PARAMETER])
+@bp.errors(
+    errors.VALIDATION_ERROR,
+    errors.INVALID_JSON,
+    errors.NOT_AN_OBJECT,
+    errors.TRUNCATED_BODY,
+    errors.MALFORMED_BODY,
+    errors.IDEMPOTENCY_KEY_IN_USE,
+    errors.PAYLOAD_TOO_LARGE,
+    errors.UNSUPPORTED_MEDIA_TYPE,
+    errors.IDEMPOTENCY_KEY_REUSED,
+)
+@bp.arguments(new_pet_schema)
 @idempotent
-def create_pet():
+@bp.response(
+    201,
+    pet_schema,
+    description="The new animal, with its id.",
+    headers={"Location": LOCATION, "Idempotent-Replayed": IDEMPOTENT_REPLAYED},
+)
+def create_pet(pet):
     """Add an animal and return it with its new id."""
-    pet = load(new_pet_schema, json_object_body(), "Invalid request body")
     # A Core INSERT on the session's connection and transaction, without the ORM; @idempotent
     # commits it, together with the stored answer when there is one, before the 201 goes out.
     pet["id"] = db.session.connection().execute(INSERT_PET, pet).scalar_one()
-    return (
-        pet_schema.dump(pet),
-        201,
-        {"Location": url_for(".get_pet", pet_id=pet["id"], _external=True)},
-    )
+    return pet, {"Location": url_for(".get_pet", pet_id=pet["id"], _external=True)}
 
 
-@bp.get("/pets/<pet_id>")
+@bp.route("/pets/<pet_id>", methods=["GET"], parameters=[PET_ID])
+@bp.doc(operationId="getPet")
+@bp.deprecated("GET_PET_DEPRECATION")
+@bp.errors(errors.PET_NOT_FOUND)
 @conditional
+@bp.response(200, pet_schema, description="The animal.")
 def get_pet(pet_id):
-    """Return one animal (deprecated: list with the status filter instead)."""
+    """Get an animal (deprecated: list animals with the status filter instead)."""
     pets = read(PET_BY_ID, {"pet_id": int(pet_id)}) if is_pet_id(pet_id) else []
     if not pets:
-        raise APIError(404, "not_found", f"No animal with id {pet_id}.")
-    return pet_schema.dump(pets[0]), 200
-
-
-@bp.after_request
-def announce_deprecation(response):
-    """Mark every getPet response deprecated, errors included, as RFC 9745 and RFC 8594 ask."""
-    if request.endpoint == "pets.get_pet":
-        deprecation = current_app.config["GET_PET_DEPRECATION"]
-        response.headers["Deprecation"] = f"@{int(deprecation['since'].timestamp())}"
-        response.headers["Sunset"] = format_datetime(deprecation["sunset"], usegmt=True)
-        response.headers["Link"] = f'<{deprecation["successor"]}>; rel="successor-version"'
-    return response
+        raise errors.PET_NOT_FOUND(pet_id=pet_id)
+    return pets[0]
 
 
 def read(select, values) -> list[dict]:
@@ -107,47 +129,3 @@ def read(select, values) -> list[dict]:
 def is_pet_id(text: str) -> bool:
     # Ids are positive int64 written in ASCII digits; anything else names no animal.
     return text.isascii() and text.isdigit() and len(text) <= 19 and 0 < int(text) <= INT64_MAX
-
-
-def json_object_body() -> dict:
-    """Return the request body parsed as a JSON object, or raise the error that says why not."""
-    if request.mimetype != "application/json":
-        raise APIError(
-            415,
-            "unsupported_media_type",
-            "Send the body as JSON with 'Content-Type: application/json'.",
-        )
-    try:
-        body = orjson.loads(read_body())
-    except orjson.JSONDecodeError as error:
-        raise APIError(400, "invalid_json", f"The body is not valid JSON: {error}.") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "invalid_json", "The body must be a JSON object.")
-    return body
-
-
-def read_body() -> bytes:
-    data = request.get_data(cache=False)
-    # Behind gunicorn (wsgi.input_terminated) Werkzeug reads to the end of the stream and does not
-    # compare with Content-Length: a client that stopped early would have a cut body parsed.
-    if request.content_length is not None and len(data) < request.content_length:
-        raise APIError(
-            400,
-            "bad_request",
-            f"The body ended after {len(data)} of its {request.content_length} bytes.",
-        )
-    # Werkzeug stops a chunked body (no Content-Length) at the limit without complaint; a body
-    # that fills the limit is refused rather than parsed cut short.
-    if request.content_length is None and len(data) >= current_app.config["MAX_CONTENT_LENGTH"]:
-        raise RequestEntityTooLarge()
-    return data
-
-
-def load(schema, data, context: str) -> dict:
-    try:
-        return schema.load(data)
-    except ValidationError as error:
-        fields = ", ".join(sorted(error.messages))
-        raise APIError(
-            400, "validation_error", f"{context}: {fields}.", errors=error.messages
-        ) from None

@@ -1,13 +1,13 @@
-"""Per-key rate limits on the pets operations, with Flask-Limiter.
+"""Per-key rate limits on the operations of the API layer, with Flask-Limiter.
 
 Every API key (anonymous requests: every client address) has one budget, RATE_LIMIT, shared by
-the three operations, counted in fixed windows. Beyond it: 429 with Retry-After. Every limited
-response carries RateLimit-Limit, RateLimit-Remaining and RateLimit-Reset (seconds until the
-window resets). Counts live in RATE_LIMIT_STORAGE_URI: memory:// counts per worker process, so
-the real limit is RATE_LIMIT times workers times instances; redis:// shares one count among all.
-If the storage fails, requests are served unlimited and the failure is logged: a broken Redis
-must not take the store down. Nothing outside the pets blueprint (health, OpenAPI, docs) is ever
-limited.
+all the operations of the API layer (api.py), counted in fixed windows. Beyond it: 429 with
+Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining and
+RateLimit-Reset (seconds until the window resets). Counts live in RATE_LIMIT_STORAGE_URI:
+memory:// counts per worker process, so the real limit is RATE_LIMIT times workers times
+instances; redis:// shares one count among all. If the storage fails, requests are served
+unlimited and the failure is logged: a broken Redis must not take the store down. Nothing outside
+the operations that need a key (health, OpenAPI, docs) is ever limited.
 """
 
 import math
@@ -32,18 +32,15 @@ def configured_limit() -> str:
     return current_app.config["RATE_LIMIT"]
 
 
-def is_exempt() -> bool:
-    return request.blueprint != "pets"
-
-
-def init_rate_limits(app) -> None:
-    """Limit the pets operations per key; a Limiter per app, as each app has its own storage."""
+def init_rate_limits(app, applies) -> None:
+    """Limit the requests for which `applies()` is true, per key; a Limiter per app, as each app
+    has its own storage."""
     app.config["RATELIMIT_ENABLED"] = app.config["RATE_LIMIT_ENABLED"]
     app.config["RATELIMIT_STORAGE_URI"] = app.config["RATE_LIMIT_STORAGE_URI"]
     limiter = Limiter(
         rate_limit_key,
         default_limits=[
-            Limit(configured_limit, scope="pets", shared=True, exempt_when=is_exempt),
+            Limit(configured_limit, scope="api", shared=True, exempt_when=lambda: not applies()),
         ],
         strategy="fixed-window",
         # The RateLimit-* headers are ours (below): Flask-Limiter's Reset is a timestamp.

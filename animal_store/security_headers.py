@@ -3,18 +3,18 @@
 from flask import request
 
 
-def add_security_headers(response):
-    # Browsers must not guess a type: an error echoing input is JSON, never HTML or script.
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    if request.blueprint == "pets" or "Authorization" in request.headers:
-        # An answer meant for one key's holder: no shared or disk cache may keep it. A response
-        # with an ETag may stay in the client's own cache, revalidated each time (If-None-Match).
-        if "ETag" in response.headers:
-            response.headers["Cache-Control"] = "private, no-cache"
-        else:
-            response.headers["Cache-Control"] = "no-store"
-    return response
+def register_security_headers(app, private) -> None:
+    """Add the headers to every answer; `private()` tells the answers meant for one key holder."""
 
-
-def register_security_headers(app) -> None:
-    app.after_request(add_security_headers)
+    @app.after_request
+    def add_security_headers(response):
+        # Browsers must not guess a type: an error echoing input is JSON, never HTML or script.
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        if private() or "Authorization" in request.headers:
+            # No shared or disk cache may keep an answer meant for one key's holder. One with an
+            # ETag may stay in the client's own cache, revalidated each time (If-None-Match).
+            if "ETag" in response.headers:
+                response.headers["Cache-Control"] = "private, no-cache"
+            else:
+                response.headers["Cache-Control"] = "no-store"
+        return response

@@ -3,8 +3,6 @@ override them. Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 
 import os
 
-from gunicorn import util
-
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
 # One process per core, chosen by measurement (README, Deploy). gthread workers keep client
 # connections alive; one thread each by default, because on our 2 cores with the database on the
@@ -54,13 +52,10 @@ def post_worker_init(worker):
     worker.log.info("Worker ready (pid: %s)", worker.pid)
 
 
-def write_json_error(sock, status, reason, _message):
+def post_fork(server, worker):
     # Requests gunicorn cannot parse (headers or URL over its limits, broken chunked bodies) are
     # answered by gunicorn itself: with the API's error object rather than an HTML page.
-    # Imported here, in the worker, which has the app loaded: the master stays free of it.
-    from animal_store.errors import raw_error_response
+    # Imported here, in the worker, which loads the app anyway: the master stays free of it.
+    from animal_store import gunicorn_errors
 
-    util.write_nonblock(sock, raw_error_response(status, reason))
-
-
-util.write_error = write_json_error
+    gunicorn_errors.install()

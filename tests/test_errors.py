@@ -1,10 +1,14 @@
 """Every failure is the error object {code, message, status} as JSON, never an HTML page."""
 
+import json
 import logging
+import re
 
 import pytest
 import sqlalchemy as sa
+from conftest import PROJECT_DIR
 
+from animal_store.errors import CATALOGUE, KIND_OF_STATUS, NGINX_ANSWERS
 from animal_store.extensions import db
 from animal_store.models import Pet
 
@@ -88,3 +92,31 @@ def test_failed_request_leaves_session_clean(failing_app, client, auth, count_pe
     response = client.post("/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=auth)
     assert response.status_code == 201
     assert count_pets() == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [("table", "docs/errors.rst"), ("nginx", "config/nginx.conf")],
+)
+def test_catalogue_outputs_are_what_the_files_hold(runner, command, path):
+    # docs/errors.rst's table and nginx's error bodies are the catalogue's, not copies by hand.
+    result = runner.invoke(args=["errors", command])
+    assert result.exit_code == 0
+    assert result.output.strip() in (PROJECT_DIR / path).read_text()
+
+
+def test_every_nginx_error_body_comes_from_the_catalogue():
+    answered = re.findall(
+        r"return (\d{3}) '(\{.*\})';", (PROJECT_DIR / "config/nginx.conf").read_text()
+    )
+    assert {int(status) for status, _ in answered} == set(NGINX_ANSWERS)
+    for status, body in answered:
+        kind = KIND_OF_STATUS[int(status)]
+        assert json.loads(body)["code"] == kind.code
+
+
+def test_catalogue_codes_keep_one_status_each():
+    statuses = {}
+    for kind in CATALOGUE:
+        statuses.setdefault(kind.code, set()).add(kind.status)
+    assert all(len(of_code) == 1 for of_code in statuses.values()), statuses

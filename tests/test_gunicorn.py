@@ -8,6 +8,8 @@ import time
 import requests
 from conftest import PROJECT_DIR
 
+from animal_store import gunicorn_errors
+
 
 def test_first_session_over_http(start_gunicorn, api_key):
     server = start_gunicorn(workers=2)
@@ -100,3 +102,29 @@ def test_production_start_without_database_url_fails_loudly(tmp_path):
     )
     assert result.returncode != 0
     assert "needs 'DATABASE_URL' in the environment" in result.stdout + result.stderr
+
+
+def test_gunicorn_still_answers_parse_errors_where_we_replace_it():
+    # Fails when a gunicorn release moves or reshapes util.write_error: then its unparsable
+    # requests would get HTML again (animal_store/gunicorn_errors.py says what to update).
+    gunicorn_errors.check_gunicorn()
+
+
+def test_app_imports_without_gunicorn(tmp_path):
+    # A stand-in package that fails to import, first on the path, hides the real gunicorn.
+    (tmp_path / "gunicorn").mkdir()
+    (tmp_path / "gunicorn" / "__init__.py").write_text("raise ImportError('no gunicorn here')\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import animal_store; animal_store.create_app({'DATABASE_URL': 'sqlite:///x.db'})",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{PROJECT_DIR}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

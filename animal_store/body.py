@@ -1,0 +1,36 @@
+"""Request bodies: JSON objects only, read whole and strictly, or the error that says why not."""
+
+import orjson
+from flask import current_app, request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from animal_store import errors
+
+
+def json_object_body() -> dict:
+    """Return the request body parsed as a JSON object, or raise the error that says why not."""
+    if request.mimetype != "application/json":
+        raise errors.UNSUPPORTED_MEDIA_TYPE()
+    try:
+        # orjson rather than Flask's get_json: it refuses what JSON does not allow (NaN,
+        # Infinity, lone surrogates) and is several times faster.
+        body = orjson.loads(whole_body())
+    except orjson.JSONDecodeError as error:
+        raise errors.INVALID_JSON(reason=error) from None
+    if not isinstance(body, dict):
+        raise errors.NOT_AN_OBJECT()
+    return body
+
+
+def whole_body() -> bytes:
+    """Return the body, refusing one that ended early or that a chunked upload cut at the limit."""
+    data = request.get_data(cache=True)
+    # Behind gunicorn (wsgi.input_terminated) Werkzeug reads to the end of the stream and does not
+    # compare with Content-Length: a client that stopped early would have a cut body parsed.
+    if request.content_length is not None and len(data) < request.content_length:
+        raise errors.TRUNCATED_BODY(received=len(data), expected=request.content_length)
+    # Werkzeug stops a chunked body (no Content-Length) at the limit without complaint; a body
+    # that fills the limit is refused rather than parsed cut short.
+    if request.content_length is None and len(data) >= current_app.config["MAX_CONTENT_LENGTH"]:
+        raise RequestEntityTooLarge()
+    return data
