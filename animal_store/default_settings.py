@@ -24,7 +24,7 @@ DATABASE_STATEMENT_TIMEOUT = 10
 # ... and seconds a request waits for a free pooled connection.
 DATABASE_POOL_TIMEOUT = 5
 
-# getPet is deprecated since v1.0.0 shipped and is removed on the spec's sunset date;
+# getPet is deprecated since v1.0.0 shipped and is removed on the contract's sunset date;
 # listPets with the status filter replaces it. Drives the Deprecation, Sunset and Link headers.
 GET_PET_DEPRECATION = {
     "since": datetime(2026, 11, 22, tzinfo=UTC),
@@ -40,7 +40,7 @@ KEY_CACHE_SECONDS = 5
 # Keys each worker keeps in that cache at most; the least recently used are dropped first.
 KEY_CACHE_SIZE = 1024
 
-# The servers listed in the OpenAPI document, each ending in /v1. The spec leaves the addresses
+# The servers listed in the OpenAPI document, each ending in /v1. The contract leaves the addresses
 # open: a deployment sets its own (ANIMAL_STORE_OPENAPI_SERVERS='[{"url": ...}]').
 OPENAPI_SERVERS = [
     {"url": "https://api.animal-store.example/v1", "description": "Production"},

@@ -27,7 +27,8 @@ def tune_sqlite_connections(app) -> None:
         # Wait for the writer ahead instead of failing at once with "database is locked".
         f"PRAGMA busy_timeout={busy_timeout_ms}",
         "PRAGMA foreign_keys=ON",
-        # FULL: a committed animal survives a power loss, not just a process crash (README).
+        # FULL: a committed animal survives a power loss, not only a process crash
+        # (docs/operations.rst, Durability).
         "PRAGMA synchronous=FULL",
     )
 

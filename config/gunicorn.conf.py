@@ -4,7 +4,7 @@ override them. Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 import os
 
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
-# One process per core, chosen by measurement (README, Deploy). gthread workers keep client
+# One process per core, chosen by measurement (docs/deploy.rst). gthread workers keep client
 # connections alive; one thread each by default, because on our 2 cores with the database on the
 # same machine, 4 threads per worker made every operation slower (they only contend for the GIL
 # and the cores): list 998 against 418 req/s on PostgreSQL, create 802 against 569 on SQLite.

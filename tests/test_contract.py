@@ -2,7 +2,7 @@
 to every operation, through WSGI, with every check on.
 
 The run is bounded and seeded so CI is short and repeatable; CONTRACT_MAX_EXAMPLES and
-CONTRACT_SEED make a longer or different run locally (README, "API document and docs").
+CONTRACT_SEED make a longer or different run locally (docs/development.rst, "Contract tests").
 """
 
 import os

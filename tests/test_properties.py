@@ -54,7 +54,7 @@ create_bodies = st.fixed_dictionaries(
 
 
 def is_valid_animal(name, category_id, status) -> bool:
-    """The rules of the spec, restated independently of the schemas."""
+    """The rules of the contract, restated independently of the schemas."""
     return (
         isinstance(name, str)
         and 1 <= len(name) <= 255

@@ -164,7 +164,7 @@ def test_limit_holds_across_four_gunicorn_workers(start_gunicorn, make_key, redi
 
 
 def test_memory_storage_multiplies_the_limit_by_the_workers(start_gunicorn, make_key):
-    # Why the README says to use Redis with several workers: each counts on its own.
+    # Why docs/operations.rst says to use Redis with several workers: each counts on its own.
     server = start_gunicorn(workers=4, env={"ANIMAL_STORE_RATE_LIMIT": "20 per hour"})
     # 100 requests exceed even four separate budgets of 20, so some are refused whatever the spread.
     statuses = statuses_of_parallel_requests(server.url + "/v1/pets", bearer(make_key()), 100)
