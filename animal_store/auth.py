@@ -3,14 +3,13 @@
 import hashlib
 import secrets
 import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from cachetools import TTLCache
 from flask import current_app, g, request
 
-from animal_store import errors
+from animal_store import errors, store
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
@@ -47,7 +46,6 @@ class CachedKey:
     id: int
     name: str
     last_used_at: datetime | None
-    expires: float  # time.monotonic() after which the database is asked again
 
 
 class KeyCache:
@@ -55,35 +53,23 @@ class KeyCache:
 
     Only valid keys are kept, so a new key works at once; a revoked key goes on working in a
     process that has it cached for at most `ttl` seconds. At most `size` keys, least recently
-    used dropped first. A lock, because a worker may serve requests on several threads.
+    used dropped first (cachetools' TTLCache). A lock, because TTLCache is not thread-safe and a
+    worker may serve requests on several threads.
     """
 
     def __init__(self, ttl: float, size: int):
-        self.ttl = ttl
-        self.size = size
-        self.entries: OrderedDict[bytes, CachedKey] = OrderedDict()
+        self.enabled = ttl > 0 and size > 0
+        self.entries = TTLCache(maxsize=max(size, 1), ttl=max(ttl, 0))
         self.lock = threading.Lock()
 
     def get(self, key_hash: bytes) -> CachedKey | None:
         with self.lock:
-            entry = self.entries.get(key_hash)
-            if entry is None:
-                return None
-            if entry.expires <= time.monotonic():
-                del self.entries[key_hash]
-                return None
-            self.entries.move_to_end(key_hash)
-            return entry
+            return self.entries.get(key_hash)
 
     def put(self, key_hash: bytes, entry: CachedKey) -> None:
-        if self.ttl <= 0 or self.size <= 0:
-            return
-        entry.expires = time.monotonic() + self.ttl
-        with self.lock:
-            self.entries[key_hash] = entry
-            self.entries.move_to_end(key_hash)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+        if self.enabled:
+            with self.lock:
+                self.entries[key_hash] = entry
 
 
 def key_cache() -> KeyCache:
@@ -128,31 +114,15 @@ def authenticate():
 
 
 def look_up_key(key_hash: bytes) -> CachedKey | None:
-    row = db.session.execute(
-        db.select(ApiKey.id, ApiKey.name, ApiKey.last_used_at).where(
-            ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None)
-        )
-    ).one_or_none()
-    return None if row is None else CachedKey(row.id, row.name, row.last_used_at, 0.0)
+    row = store.find_key(key_hash)
+    return None if row is None else CachedKey(row["id"], row["name"], row["last_used_at"])
 
 
 def record_use(entry: CachedKey) -> None:
-    """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds.
-
-    The UPDATE is conditional, so when several workers decide at once that the time is stale,
-    only the first one's write changes the row.
-    """
+    """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds."""
     now = datetime.now(UTC)
     resolution = timedelta(seconds=current_app.config["KEY_LAST_USED_RESOLUTION"])
     if entry.last_used_at is not None and now - entry.last_used_at < resolution:
         return
-    db.session.execute(
-        db.update(ApiKey)
-        .where(
-            ApiKey.id == entry.id,
-            (ApiKey.last_used_at.is_(None)) | (ApiKey.last_used_at < now - resolution),
-        )
-        .values(last_used_at=now)
-    )
-    db.session.commit()
+    store.record_key_use(entry.id, now, resolution)
     entry.last_used_at = now

@@ -13,7 +13,7 @@ from werkzeug.serving import run_simple
 from animal_store import errors
 from animal_store.auth import issue_key
 from animal_store.extensions import db
-from animal_store.idempotency import idempotency_cli
+from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
 from animal_store.seed import seed_command
@@ -69,6 +69,15 @@ def revoke_key(name):
     api_key.revoked_at = datetime.now(UTC)
     db.session.commit()
     click.echo(f"Revoked API key {name!r}.")
+
+
+idempotency_cli = AppGroup("idempotency", help="Look after the stored Idempotency-Keys.")
+
+
+@idempotency_cli.command("purge")
+def purge_idempotency_keys():
+    """Delete the Idempotency-Keys older than IDEMPOTENCY_TTL."""
+    click.echo(f"Purged {purge_expired()} expired idempotency keys.")
 
 
 errors_cli = AppGroup("errors", help="Print the error catalogue for the docs and for nginx.")

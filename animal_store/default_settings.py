@@ -71,8 +71,9 @@ TRUSTED_PROXY_HOPS = 1
 # Requests per API key (per client address without one) to the pets operations, in a fixed
 # window; beyond it 429. Generous: a client busy enough to reach it is misbehaving.
 RATE_LIMIT = "600 per minute"
-# False turns limiting off (benchmarks: ANIMAL_STORE_RATE_LIMIT_ENABLED=false).
-RATE_LIMIT_ENABLED = True
+# Flask-Limiter reads these two under its own names.
+# False turns limiting off (benchmarks: ANIMAL_STORE_RATELIMIT_ENABLED=false).
+RATELIMIT_ENABLED = True
 # Where the counts live. memory:// counts in each worker process, so the effective limit is
 # RATE_LIMIT x workers x instances; redis://host:6379/0 shares one count among all of them.
-RATE_LIMIT_STORAGE_URI = "memory://"
+RATELIMIT_STORAGE_URI = "memory://"

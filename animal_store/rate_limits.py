@@ -3,7 +3,7 @@
 Every API key (anonymous requests: every client address) has one budget, RATE_LIMIT, shared by
 all the operations of the API layer (api.py), counted in fixed windows. Beyond it: 429 with
 Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining and
-RateLimit-Reset (seconds until the window resets). Counts live in RATE_LIMIT_STORAGE_URI:
+RateLimit-Reset (seconds until the window resets). Counts live in RATELIMIT_STORAGE_URI:
 memory:// counts per worker process, so the real limit is RATE_LIMIT times workers times
 instances; redis:// shares one count among all. If the storage fails, requests are served
 unlimited and the failure is logged: a broken Redis must not take the store down. Nothing outside
@@ -35,8 +35,6 @@ def configured_limit() -> str:
 def init_rate_limits(app, applies) -> None:
     """Limit the requests for which `applies()` is true, per key; a Limiter per app, as each app
     has its own storage."""
-    app.config["RATELIMIT_ENABLED"] = app.config["RATE_LIMIT_ENABLED"]
-    app.config["RATELIMIT_STORAGE_URI"] = app.config["RATE_LIMIT_STORAGE_URI"]
     limiter = Limiter(
         rate_limit_key,
         default_limits=[

@@ -16,6 +16,7 @@ def load_settings(app, test_config=None) -> None:
         app.config.from_mapping(test_config)
     else:
         load_deployment_settings(app)
+    refuse_renamed_settings(app)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
 
@@ -36,6 +37,20 @@ def load_deployment_settings(app) -> None:
         app.config["DATABASE_URL"] = os.environ["DATABASE_URL"]
     # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses.
     app.config.from_prefixed_env("ANIMAL_STORE")
+
+
+# Settings that now carry the names Flask-Limiter reads itself. An old name stops the boot rather
+# than being ignored, which would silently count in each worker's memory again.
+RENAMED_SETTINGS = {
+    "RATE_LIMIT_ENABLED": "RATELIMIT_ENABLED",
+    "RATE_LIMIT_STORAGE_URI": "RATELIMIT_STORAGE_URI",
+}
+
+
+def refuse_renamed_settings(app) -> None:
+    for old, new in RENAMED_SETTINGS.items():
+        if old in app.config:
+            raise RuntimeError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
 
 
 def database_uri(app) -> str:

@@ -140,7 +140,7 @@ def service_env(database_url) -> dict:
         "ANIMAL_STORE_ENV": "production",
         "DATABASE_URL": database_url,
         # Measured is the service, not the rate limiter that would answer 429 under wrk.
-        "ANIMAL_STORE_RATE_LIMIT_ENABLED": "false",
+        "ANIMAL_STORE_RATELIMIT_ENABLED": "false",
     }
 
 

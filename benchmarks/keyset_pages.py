@@ -45,7 +45,7 @@ def median_ms(calls, runs):
 
 def prepare(database_url, count):
     # A benchmark measures the store, not the rate limiter (which would stop it at 600 a minute).
-    app = create_app({"DATABASE_URL": database_url, "RATE_LIMIT_ENABLED": False})
+    app = create_app({"DATABASE_URL": database_url, "RATELIMIT_ENABLED": False})
     with app.app_context():
         upgrade()
         db.session.execute(sa.delete(Pet))

@@ -67,7 +67,7 @@ def wsgi_caller(app, path, headers):
 def prepare(database_url, animals):
     # As the service runs in http_bench: no rate limit, and the request's JSON log line written
     # (main() sends it to /dev/null), since production writes one per request.
-    app = create_app({"DATABASE_URL": database_url, "RATE_LIMIT_ENABLED": False})
+    app = create_app({"DATABASE_URL": database_url, "RATELIMIT_ENABLED": False})
     with app.app_context():
         upgrade()
         seed_pets(animals)

@@ -10,8 +10,8 @@ from marshmallow import ValidationError
 from openapi_spec_validator import validate
 
 from animal_store.errors import APIError
-from animal_store.idempotency import KEY_PATTERN as IDEMPOTENCY_KEY_PATTERN
-from animal_store.idempotency import idempotency_key
+from animal_store.idempotency.header import KEY_PATTERN as IDEMPOTENCY_KEY_PATTERN
+from animal_store.idempotency.header import idempotency_key
 from animal_store.openapi import DOCS_CSP
 from animal_store.schemas import INT64_MAX, INT64_MIN, NAME_PATTERN, validate_name
 

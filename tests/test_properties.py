@@ -68,7 +68,7 @@ def is_valid_animal(name, category_id, status) -> bool:
 
 @pytest.fixture
 def unlimited(make_app, make_key):
-    app = make_app(RATE_LIMIT_ENABLED=False)
+    app = make_app(RATELIMIT_ENABLED=False)
     return app, app.test_client(), {"Authorization": f"Bearer {make_key()}"}
 
 

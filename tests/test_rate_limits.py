@@ -101,7 +101,7 @@ def test_documents_and_health_are_never_limited(limited, make_key, path):
 
 
 def test_limiting_can_be_switched_off(limited, make_key):
-    client, headers = limited("1 per hour", RATE_LIMIT_ENABLED=False), bearer(make_key())
+    client, headers = limited("1 per hour", RATELIMIT_ENABLED=False), bearer(make_key())
     for _ in range(3):
         response = client.get("/v1/pets", headers=headers)
         assert response.status_code == 200
@@ -110,17 +110,17 @@ def test_limiting_can_be_switched_off(limited, make_key):
 
 def test_environment_switches_limiting_off(monkeypatch, database_url):
     monkeypatch.setenv("DATABASE_URL", database_url)
-    monkeypatch.setenv("ANIMAL_STORE_RATE_LIMIT_ENABLED", "false")
+    monkeypatch.setenv("ANIMAL_STORE_RATELIMIT_ENABLED", "false")
     monkeypatch.delenv("ANIMAL_STORE_ENV", raising=False)
     app = create_app()
-    assert app.config["RATE_LIMIT_ENABLED"] is False
+    assert app.config["RATELIMIT_ENABLED"] is False
     for _ in range(3):
         response = app.test_client().get("/v1/pets")
         assert "RateLimit-Limit" not in response.headers
 
 
 def test_unreachable_storage_serves_unlimited_and_logs(limited, make_key, caplog):
-    client = limited("1 per hour", RATE_LIMIT_STORAGE_URI=f"redis://127.0.0.1:{free_port()}/0")
+    client = limited("1 per hour", RATELIMIT_STORAGE_URI=f"redis://127.0.0.1:{free_port()}/0")
     headers = bearer(make_key())
     with caplog.at_level(logging.ERROR, logger="flask-limiter"):
         statuses = [client.get("/v1/pets", headers=headers).status_code for _ in range(3)]
@@ -131,8 +131,8 @@ def test_unreachable_storage_serves_unlimited_and_logs(limited, make_key, caplog
 def test_redis_storage_is_shared_between_apps(limited, make_key, redis_url):
     # Two apps stand for two workers: with Redis they count together.
     first, second = (
-        limited(RATE_LIMIT_STORAGE_URI=redis_url),
-        limited(RATE_LIMIT_STORAGE_URI=redis_url),
+        limited(RATELIMIT_STORAGE_URI=redis_url),
+        limited(RATELIMIT_STORAGE_URI=redis_url),
     )
     headers = bearer(make_key())
     statuses = [
@@ -155,7 +155,7 @@ def test_limit_holds_across_four_gunicorn_workers(start_gunicorn, make_key, redi
         workers=4,
         env={
             "ANIMAL_STORE_RATE_LIMIT": "20 per hour",
-            "ANIMAL_STORE_RATE_LIMIT_STORAGE_URI": redis_url,
+            "ANIMAL_STORE_RATELIMIT_STORAGE_URI": redis_url,
         },
     )
     statuses = statuses_of_parallel_requests(server.url + "/v1/pets", bearer(make_key()), 60)

@@ -73,3 +73,17 @@ def test_sqlite_connections_get_wal_busy_timeout_foreign_keys_and_full_sync(app)
         assert pragma("busy_timeout") == 5000
         assert pragma("foreign_keys") == 1
         assert pragma("synchronous") == 2  # FULL
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("RATE_LIMIT_ENABLED", "RATELIMIT_ENABLED"),
+        ("RATE_LIMIT_STORAGE_URI", "RATELIMIT_STORAGE_URI"),
+    ],
+)
+def test_renamed_setting_stops_the_boot_naming_the_new_one(clean_environment, tmp_path, old, new):
+    clean_environment.setenv("DATABASE_URL", f"sqlite:///{tmp_path}/store.sqlite3")
+    clean_environment.setenv(f"ANIMAL_STORE_{old}", "false")
+    with pytest.raises(RuntimeError, match=f"ANIMAL_STORE_{new}"):
+        create_app()
