@@ -13,6 +13,7 @@ the /v1 layer, which gives all of its views, with no wiring of their own:
   500, 503, the RateLimit-* headers) added to what each view declares.
 """
 
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from email.utils import format_datetime
 
@@ -25,7 +26,7 @@ from webargs.flaskparser import FlaskParser
 
 from animal_store import errors, rate_limits, security_headers
 from animal_store.auth import authenticate
-from animal_store.body import json_object_body
+from animal_store.body import BODY_ERRORS, json_object_body
 from animal_store.schemas import EnumField, ErrorSchema, Int64
 
 API_VERSION = "1.0.0"
@@ -148,18 +149,22 @@ class Blueprint(flask_smorest.Blueprint):
         """Declare the kinds of the catalogue this view answers, besides the layer's own."""
 
         def decorator(view):
-            declare(view, "errors", [*view_doc(view).get("errors", []), *kinds])
-            return view
+            return declare_errors(view, *kinds)
 
         return decorator
+
+    def arguments(self, schema, *, location="json", **kwargs):
+        """flask-smorest's arguments, declaring the errors that loading them can answer."""
+        load = super().arguments(schema, location=location, **kwargs)
+        kinds = (errors.VALIDATION_ERROR, *(BODY_ERRORS if location == "json" else ()))
+        return lambda view: declare_errors(load(view), *kinds)
 
     @staticmethod
     def deprecated(setting: str):
         """Declare the view deprecated; app.config[setting] has its since, sunset and successor."""
 
         def decorator(view):
-            declare(view, "deprecation", setting)
-            return view
+            return declare(view, "deprecation", setting)
 
         return decorator
 
@@ -198,19 +203,43 @@ def camel_case(name: str) -> str:
 
 
 def view_doc(view) -> dict:
-    return view.__dict__.setdefault("_apidoc", {})
+    """Return what has been declared of a view: flask-smorest's entries and ours."""
+    return getattr(view, "_apidoc", {})
 
 
-def declare(view, key, value) -> None:
-    # Beside flask-smorest's own entries, where it gathers a view's declarations: without a
-    # wrapper, so a declaration costs nothing per request.
-    view_doc(view)[key] = value
+def declare(view, key, value):
+    """Add a declaration to a view, beside flask-smorest's, and return the view.
+
+    No wrapper, so a declaration costs nothing per request. A copy, as flask-smorest makes: a
+    wrapper shares its wrapped function's declarations until it declares something of its own.
+    """
+    view._apidoc = {**deepcopy(view_doc(view)), key: value}
+    return view
+
+
+def declare_errors(view, *kinds: errors.ErrorKind):
+    return declare(view, "errors", [*view_doc(view).get("errors", []), *kinds])
+
+
+def declare_parameter(view, parameter: dict):
+    """Declare a request parameter the view reads itself (a header), beside its arguments."""
+    arguments = deepcopy(view_doc(view).get("arguments", {}))
+    arguments.setdefault("parameters", []).append(parameter)
+    return declare(view, "arguments", arguments)
+
+
+def declare_response(view, status: int, response: dict):
+    """Declare (part of) an answer of the view: merged with what others declare for the status."""
+    answers = deepcopy(view_doc(view).get("response", {}))
+    answers.setdefault("responses", {}).setdefault(status, []).append(
+        {"content_type": None, **response}
+    )
+    return declare(view, "response", answers)
 
 
 def public(view):
     """Mark a view of the layer as open to requests without an API key."""
-    declare(view, "public", True)
-    return view
+    return declare(view, "public", True)
 
 
 def requires_key() -> bool:
@@ -323,7 +352,7 @@ def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
             headers = response.setdefault("headers", {})
             headers.update({header.name: header for header in shared})
             response["headers"] = header_references(spec, headers)
-    kinds = [*doc_info.get("errors", []), *(() if public_view else LAYER_ERRORS)]
+    kinds = dict.fromkeys([*doc_info.get("errors", []), *(() if public_view else LAYER_ERRORS)])
     for status in sorted({kind.status for kind in kinds}):
         of_status = [kind for kind in kinds if kind.status == status]
         headers = {name: ERROR_HEADERS[name] for kind in of_status for name in kind.headers}

@@ -6,6 +6,16 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from animal_store import errors
 
+# What reading a body can answer, besides the validation of its fields.
+BODY_ERRORS = (
+    errors.UNSUPPORTED_MEDIA_TYPE,
+    errors.INVALID_JSON,
+    errors.NOT_AN_OBJECT,
+    errors.TRUNCATED_BODY,
+    errors.MALFORMED_BODY,
+    errors.PAYLOAD_TOO_LARGE,
+)
+
 
 def json_object_body() -> dict:
     """Return the request body parsed as a JSON object, or raise the error that says why not."""

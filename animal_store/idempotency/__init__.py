@@ -23,10 +23,10 @@ import orjson
 from flask import g, request
 
 from animal_store import errors
-from animal_store.api import Header
+from animal_store.api import Header, declare_errors, declare_parameter
 from animal_store.extensions import db
 from animal_store.idempotency.claims import RETRY_AFTER, Claim, claim, maybe_purge_expired, release
-from animal_store.idempotency.header import idempotency_key
+from animal_store.idempotency.header import KEY_PARAMETER, idempotency_key
 from animal_store.models import IdempotencyRecord
 
 IDEMPOTENT_REPLAYED = Header(
@@ -74,7 +74,15 @@ def idempotent(view):
             release(claimed)
             raise
 
-    return once
+    declare_parameter(once, KEY_PARAMETER)
+    return declare_errors(
+        once,
+        errors.VALIDATION_ERROR,
+        errors.IDEMPOTENCY_KEY_IN_USE,
+        errors.IDEMPOTENCY_KEY_RACING,
+        errors.IDEMPOTENCY_CLAIM_LOST,
+        errors.IDEMPOTENCY_KEY_REUSED,
+    )
 
 
 def remember(response) -> None:
