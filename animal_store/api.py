@@ -20,7 +20,8 @@ from email.utils import format_datetime
 import flask
 import flask_smorest
 import flask_smorest.spec.plugins
-from flask import current_app, request
+import flask_smorest.utils
+from flask import request
 from flask_smorest.spec.plugins import RE_URL
 from webargs.flaskparser import FlaskParser
 
@@ -126,6 +127,11 @@ class ArgumentsParser(FlaskParser):
     DEFAULT_VALIDATION_STATUS = 400
     LOCATION_NAMES = {"query": "query parameter", "json": "request body", "headers": "header"}
 
+    def load_querystring(self, req, schema):
+        # The query as Werkzeug parsed it, whose get() is a parameter's first value: what a
+        # schema of single-valued fields reads, without webargs' per-request proxy around it.
+        return req.args
+
     def load_json(self, req, schema):
         return json_object_body()
 
@@ -158,6 +164,18 @@ class Blueprint(flask_smorest.Blueprint):
         load = super().arguments(schema, location=location, **kwargs)
         kinds = (errors.VALIDATION_ERROR, *(BODY_ERRORS if location == "json" else ()))
         return lambda view: declare_errors(load(view), *kinds)
+
+    @staticmethod
+    def doc(**kwargs):
+        """flask-smorest's doc, as a declaration only: no wrapper around the view per request."""
+
+        def decorator(view):
+            manual = view_doc(view).get("manual_doc", {})
+            return declare(
+                view, "manual_doc", flask_smorest.utils.deepupdate(deepcopy(manual), kwargs)
+            )
+
+        return decorator
 
     @staticmethod
     def deprecated(setting: str):
@@ -242,29 +260,52 @@ def public(view):
     return declare(view, "public", True)
 
 
-def requires_key() -> bool:
-    """Tell whether this request is for a view of the layer that only key holders may use."""
-    if LAYER not in request.blueprints:
-        return False
-    view = current_app.view_functions[request.endpoint]
-    return not getattr(view, "_apidoc", {}).get("public", False)
+class Policies:
+    """The layer's per-request policies, from what its views declared, read once at start-up.
+
+    Sets and dicts by endpoint, filled in once the views are registered (collect()): a request
+    then costs one look-up, not a walk through its view's declarations.
+    """
+
+    def __init__(self):
+        self.protected = frozenset()
+        self.deprecated = {}
+
+    def collect(self, app) -> None:
+        views = {
+            endpoint: view_doc(view)
+            for endpoint, view in app.view_functions.items()
+            if endpoint.startswith(f"{LAYER}.")
+        }
+        self.protected = frozenset(e for e, doc in views.items() if not doc.get("public"))
+        self.deprecated = {
+            endpoint: deprecation_headers(app.config[doc["deprecation"]])
+            for endpoint, doc in views.items()
+            if "deprecation" in doc
+        }
+
+    def requires_key(self) -> bool:
+        """Tell whether this request is for a view of the layer that only key holders may use."""
+        return request.endpoint in self.protected
+
+    def authenticate(self) -> None:
+        if request.endpoint in self.protected:
+            authenticate()
+
+    def add_deprecation_headers(self, response):
+        """Mark every answer of a deprecated view so, errors included (RFC 9745, RFC 8594)."""
+        headers = self.deprecated.get(request.endpoint)
+        if headers is not None:
+            response.headers.update(headers)
+        return response
 
 
-def authenticate_unless_public():
-    if requires_key():
-        authenticate()
-
-
-def add_deprecation_headers(response):
-    """Mark every answer of a deprecated view deprecated, errors included (RFC 9745, RFC 8594)."""
-    view = current_app.view_functions[request.endpoint]
-    setting = getattr(view, "_apidoc", {}).get("deprecation")
-    if setting is not None:
-        deprecation = current_app.config[setting]
-        response.headers["Deprecation"] = f"@{int(deprecation['since'].timestamp())}"
-        response.headers["Sunset"] = format_datetime(deprecation["sunset"], usegmt=True)
-        response.headers["Link"] = f'<{deprecation["successor"]}>; rel="successor-version"'
-    return response
+def deprecation_headers(deprecation) -> dict:
+    return {
+        "Deprecation": f"@{int(deprecation['since'].timestamp())}",
+        "Sunset": format_datetime(deprecation["sunset"], usegmt=True),
+        "Link": f'<{deprecation["successor"]}>; rel="successor-version"',
+    }
 
 
 class Api(flask_smorest.Api):
@@ -315,15 +356,17 @@ def register_api(app, resources) -> Api:
     for enum in EnumField.__subclasses__():
         api.spec.components.schema(enum.component, enum.component_schema())
 
+    policies = Policies()
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
-    layer.before_request(authenticate_unless_public)
-    layer.after_request(add_deprecation_headers)
+    layer.before_request(policies.authenticate)
+    layer.after_request(policies.add_deprecation_headers)
     layer._prepare_doc_cbks.append(document_layer)
     for resource in resources:
         layer.register_blueprint(resource)
     api.register_blueprint(layer)
-    rate_limits.init_rate_limits(app, applies=requires_key)
-    security_headers.register_security_headers(app, private=requires_key)
+    policies.collect(app)
+    rate_limits.init_rate_limits(app, applies=policies.requires_key)
+    security_headers.register_security_headers(app, private=policies.requires_key)
     return api
 
 

@@ -72,4 +72,5 @@ def read(select, values) -> list[dict]:
     with db.engine.connect() as connection:
         result = connection.execute(select, values)
         columns = tuple(result.keys())
-        return [dict(zip(columns, row, strict=True)) for row in result]
+        # fetchall() takes the rows in one call; iterating would fetch them one at a time.
+        return [dict(zip(columns, row, strict=True)) for row in result.fetchall()]
