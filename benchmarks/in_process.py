@@ -1,0 +1,124 @@
+"""CPU per request in process: the app's WSGI callable called directly, no server, no network.
+
+The steadiest figure there is for a change on the request path: no wrk, no gunicorn, no kernel
+between the two sides, so a few microseconds show. It seeds a SQLite database, makes a key and
+measures listPets (a page of 20), getPet and createPet, best of three rounds. With --against, the
+same measurement runs on another checkout of the project (a git worktree of the commit before a
+change, say) in the same run, alternating, and the ratios are printed:
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/in_process.py --against /tmp/before
+
+Rate limiting is on (memory storage) with a limit no run reaches; the request log is off, as it
+writes to stdout (benchmarks/http_bench.py measures with everything on).
+"""
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+NEW_PET = b'{"name": "Benchmark Rex", "categoryId": 3, "status": "available"}'
+REQUESTS = {"list": 4000, "get": 4000, "create": 1500}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, help="another checkout to measure in the same run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
+    parser.add_argument("--animals", type=int, default=1000, help="animals seeded (1000)")
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.animals)))
+        return
+    checkouts = {"this": PROJECT_DIR, **({"against": args.against} if args.against else {})}
+    figures = {name: [] for name in checkouts}
+    for round_number in range(1, args.rounds + 1):
+        for name, checkout in checkouts.items():
+            command = [sys.executable, __file__, "--measure", str(checkout)]
+            result = subprocess.run(
+                [*command, "--animals", str(args.animals)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            figures[name].append(json.loads(result.stdout.splitlines()[-1]))
+            print(f"round {round_number} {name:8} {figures[name][-1]}", flush=True)
+    print("\nCPU µs per request, best round:")
+    best = {
+        name: {operation: min(run[operation] for run in runs) for operation in REQUESTS}
+        for name, runs in figures.items()
+    }
+    for operation in REQUESTS:
+        line = f"  {operation:7} this {best['this'][operation]:7.1f}"
+        if "against" in best:
+            against = best["against"][operation]
+            line += f"   against {against:7.1f}   ratio {best['this'][operation] / against:.3f}"
+        print(line)
+
+
+def measure(checkout: Path, animals: int) -> dict:
+    """Return CPU µs per request for each operation, the app imported from `checkout`."""
+    sys.path.insert(0, str(checkout))
+    from flask_migrate import upgrade
+    from werkzeug.test import EnvironBuilder
+
+    from animal_store import create_app
+    from animal_store.auth import issue_key
+    from animal_store.extensions import db
+    from animal_store.seed import seed_pets
+
+    database = Path(tempfile.mkdtemp()) / "store.sqlite3"
+    settings = {
+        "DATABASE_URL": f"sqlite:///{database}",
+        "LOG_LEVEL": "WARNING",
+        "RATE_LIMIT": "100000000 per minute",
+    }
+    app = create_app(settings)
+    with app.app_context():
+        upgrade()
+        seed_pets(animals)
+        _, key = issue_key("benchmark")
+        db.session.commit()
+    auth = {"Authorization": f"Bearer {key}"}
+    environs = {
+        "list": EnvironBuilder("/v1/pets?limit=20", headers=auth).get_environ(),
+        "get": EnvironBuilder(f"/v1/pets/{animals // 2}", headers=auth).get_environ(),
+        "create": EnvironBuilder(
+            "/v1/pets", method="POST", headers=auth, data=NEW_PET, content_type="application/json"
+        ).get_environ(),
+    }
+    statuses = set()
+
+    def start_response(status, headers, exc_info=None):
+        statuses.add(status[:3])
+
+    def call(environ):
+        request = dict(environ, **{"wsgi.input": io.BytesIO(NEW_PET)})
+        b"".join(app.wsgi_app(request, start_response))
+
+    figures = {}
+    for operation, environ in environs.items():
+        count = REQUESTS[operation]
+        for _ in range(200):
+            call(environ)
+        rounds = []
+        for _ in range(3):
+            started = time.process_time()
+            for _ in range(count):
+                call(environ)
+            rounds.append((time.process_time() - started) / count * 1e6)
+        figures[operation] = round(min(rounds), 1)
+    if statuses - {"200", "201"}:
+        raise SystemExit(f"unexpected answers: {sorted(statuses)}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
