@@ -1,6 +1,7 @@
 """The command line, all registered here: `flask keys ...` for API keys, `flask quickstart` for a
 first run, and the commands of the other modules."""
 
+import socket
 from datetime import UTC, datetime
 
 import click
@@ -114,8 +115,24 @@ def quickstart(host, port):
         f"http://{host}:{port}/v1/pets"
     )
     click.echo(f"  curl -H 'Authorization: Bearer {key}' http://{host}:{port}/v1/pets")
+    if port_taken(host, port):
+        # Run again for another key while the first quickstart's server runs: the key is made.
+        click.echo(
+            f"Something already listens on {host}:{port} (the server of an earlier quickstart?): "
+            "the key works there; no second server is started."
+        )
+        return
     # Threaded: each request runs in its own thread with its own app context.
     run_simple(host, port, current_app._get_current_object(), threaded=True)
+
+
+def port_taken(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            return False
+    except OSError:
+        return True
 
 
 def format_time(moment: datetime | None) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import flask_swagger_ui
 import orjson
-from flask import Blueprint, current_app, send_from_directory
+from flask import Blueprint, current_app, redirect, send_from_directory, url_for
 from flask.cli import with_appcontext
 
 from animal_store.api import public
@@ -44,6 +44,13 @@ def docs():
     response = send_from_directory(DOCS_DIR, "docs.html")
     response.headers["Content-Security-Policy"] = DOCS_CSP
     return response
+
+
+@bp.get("/docs/")
+@public
+def docs_with_slash():
+    """Send /v1/docs/ to the page, whose links are relative to /v1/docs."""
+    return redirect(url_for(".docs"), 308)
 
 
 @bp.get("/docs/<path:filename>")

@@ -21,6 +21,11 @@ timeout = 30
 # On SIGTERM, workers stop accepting, finish the requests in flight for up to this long, then exit.
 graceful_timeout = 30
 keepalive = 5
+# gunicorn's control socket (for gunicornc) is off unless the deployment names a path for it, such
+# as /run/animal-store/gunicorn.ctl: its default, ~/.gunicorn/, would land in the checkout (the
+# service user's home in docs/deploy.rst), and every instance on a machine would share it.
+control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET", "")
+control_socket_disable = not control_socket
 
 # gunicorn's own access log is off: the app writes one JSON line per request to stdout
 # (animal_store/logs.py) with the request ID and key name, which gunicorn's line cannot carry.

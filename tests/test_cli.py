@@ -1,5 +1,7 @@
 """`flask keys create/list/revoke`: the only way keys are made and retired."""
 
+import re
+import socket
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -62,3 +64,14 @@ def test_format_time_is_utc():
     moment = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC) + timedelta(0)
     assert format_time(moment) == "2026-01-02 03:04:05 UTC"
     assert format_time(None) == "never"
+
+
+def test_quickstart_again_while_its_server_runs_makes_a_key_and_exits(client, runner):
+    # The first quickstart's server holds the port; the second run only makes another key.
+    with socket.create_server(("127.0.0.1", 0)) as first_server:
+        port = first_server.getsockname()[1]
+        result = runner.invoke(args=["quickstart", "--port", str(port)])
+    assert result.exit_code == 0, result.output
+    assert "no second server is started" in result.output
+    (key,) = re.findall(r"\(shown only now\): (ask_\S+)", result.output)
+    assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200

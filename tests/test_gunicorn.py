@@ -128,3 +128,15 @@ def test_app_imports_without_gunicorn(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
+    # gunicorn's default would put it in the service user's home: the checkout, in docs/deploy.rst.
+    home = tmp_path / "home"
+    home.mkdir()
+    start_gunicorn(workers=1, env={"HOME": str(home)})
+    assert list(home.iterdir()) == []
+    socket_path = tmp_path / "gunicorn.ctl"
+    start_gunicorn(workers=1, env={"HOME": str(home), "GUNICORN_CONTROL_SOCKET": str(socket_path)})
+    assert socket_path.is_socket()
+    assert list(home.iterdir()) == []

@@ -369,3 +369,9 @@ def test_whole_floats_the_document_warns_of_are_refused(client, auth, count_pets
     assert response.status_code == 400
     assert response.get_json()["errors"] == {"categoryId": ["Not a valid integer."]}
     assert count_pets() == 0
+
+
+def test_docs_with_a_trailing_slash_goes_to_the_page(client):
+    response = client.get("/v1/docs/")
+    assert response.status_code == 308
+    assert response.headers["Location"] == "/v1/docs"
