@@ -5,7 +5,8 @@ them: `arguments`, `response`, `alt_response` and `doc` from flask-smorest, plus
 (kinds of the error catalogue) and `deprecated(...)`. `register_api` registers each resource under
 the /v1 layer, which gives all of its views, with no wiring of their own:
 
-- authentication with an API key, unless the view is marked `@public`;
+- authentication with an API key, unless the view is marked `@public`; OPTIONS never needs one;
+- CORS for the origins CORS_ORIGINS lists (Flask-CORS);
 - rate limits and `Cache-Control: no-store` on the same views;
 - the deprecation headers of a view declared deprecated, on all of its answers;
 - error answers as the error object (errors.py handles every error of the app);
@@ -21,7 +22,8 @@ import flask
 import flask_smorest
 import flask_smorest.spec.plugins
 import flask_smorest.utils
-from flask import request
+from flask import current_app, request
+from flask_cors import CORS
 from flask_smorest.spec.plugins import RE_URL
 from webargs.flaskparser import FlaskParser
 
@@ -269,6 +271,7 @@ class Policies:
 
     def __init__(self):
         self.protected = frozenset()
+        self.vary_origin = False
         self.deprecated = {}
 
     def collect(self, app) -> None:
@@ -278,6 +281,8 @@ class Policies:
             if endpoint.startswith(f"{LAYER}.")
         }
         self.protected = frozenset(e for e, doc in views.items() if not doc.get("public"))
+        # Answers to listed origins carry CORS headers and others' do not: caches must know.
+        self.vary_origin = bool(app.config["CORS_ORIGINS"])
         self.deprecated = {
             endpoint: deprecation_headers(app.config[doc["deprecation"]])
             for endpoint, doc in views.items()
@@ -286,17 +291,28 @@ class Policies:
 
     def requires_key(self) -> bool:
         """Tell whether this request is for a view of the layer that only key holders may use."""
-        return request.endpoint in self.protected
+        return request.endpoint in self.protected and request.method != "OPTIONS"
 
-    def authenticate(self) -> None:
+    def authenticate(self):
+        """Check the key of a request that needs one; answer OPTIONS, which never does."""
+        if request.method == "OPTIONS":
+            # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
+            # its headers for a listed origin.
+            response = current_app.make_default_options_response()
+            response.status_code = 204
+            del response.headers["Content-Type"]  # no content, no type
+            return response
         if request.endpoint in self.protected:
             authenticate()
+        return None
 
-    def add_deprecation_headers(self, response):
+    def add_headers(self, response):
         """Mark every answer of a deprecated view so, errors included (RFC 9745, RFC 8594)."""
         headers = self.deprecated.get(request.endpoint)
         if headers is not None:
             response.headers.update(headers)
+        if self.vary_origin:
+            response.vary.add("Origin")
         return response
 
 
@@ -359,12 +375,14 @@ def register_api(app, resources) -> Api:
     policies = Policies()
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
     layer.before_request(policies.authenticate)
-    layer.after_request(policies.add_deprecation_headers)
+    layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)
     for resource in resources:
         layer.register_blueprint(resource)
     api.register_blueprint(layer)
     policies.collect(app)
+    # The answers' CORS headers, for the origins in CORS_ORIGINS (none by default).
+    CORS(app, resources={f"{BASE_PATH}/*": {}})
     rate_limits.init_rate_limits(app, applies=policies.requires_key)
     security_headers.register_security_headers(app, private=policies.requires_key)
     return api

@@ -77,3 +77,27 @@ RATELIMIT_ENABLED = True
 # Where the counts live. memory:// counts in each worker process, so the effective limit is
 # RATE_LIMIT x workers x instances; redis://host:6379/0 shares one count among all of them.
 RATELIMIT_STORAGE_URI = "memory://"
+
+# Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.
+# ANIMAL_STORE_CORS_ORIGINS='["https://shop.example"]'. Empty: no CORS headers at all.
+CORS_ORIGINS = []
+CORS_METHODS = ["GET", "HEAD", "POST", "OPTIONS"]
+# What a page may send (preflights ask for them) and read of the answers.
+CORS_ALLOW_HEADERS = ["Authorization", "Content-Type", "Idempotency-Key", "If-None-Match"]
+CORS_EXPOSE_HEADERS = [
+    "Location",
+    "Link",
+    "ETag",
+    "Deprecation",
+    "Sunset",
+    "Retry-After",
+    "RateLimit-Limit",
+    "RateLimit-Remaining",
+    "RateLimit-Reset",
+    "X-Request-ID",
+    "Idempotent-Replayed",
+]
+# Seconds a browser may reuse a preflight's answer.
+CORS_MAX_AGE = 600
+# Only answers to a listed origin carry CORS headers.
+CORS_ALWAYS_SEND = False

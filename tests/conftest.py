@@ -14,6 +14,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 from flask_migrate import upgrade
+from playwright.sync_api import sync_playwright
 
 from animal_store import create_app
 from animal_store.auth import issue_key
@@ -233,3 +234,26 @@ def start_gunicorn(database_url, tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def page():
+    """A page in headless Chromium that records every request it makes and every console error."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("needs Debian's chromium package (.ci/run installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        page = browser.new_page()
+        page.requested_urls = []
+        page.console_errors = []
+        page.on("request", lambda request: page.requested_urls.append(request.url))
+        page.on(
+            "console",
+            lambda message: message.type == "error" and page.console_errors.append(message.text),
+        )
+        yield page
+        browser.close()

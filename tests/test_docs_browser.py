@@ -2,37 +2,9 @@
 from another host, and "try it out" working with a key."""
 
 import re
-import shutil
 from urllib.parse import urlsplit
 
-import pytest
-from playwright.sync_api import expect, sync_playwright
-
-CHROMIUM = shutil.which("chromium")
-
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="needs Debian's chromium package (.ci/run installs it)"
-)
-
-
-@pytest.fixture
-def page():
-    """A page in headless Chromium that records every request it makes and every console error."""
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        page = browser.new_page()
-        page.requested_urls = []
-        page.console_errors = []
-        page.on("request", lambda request: page.requested_urls.append(request.url))
-        page.on(
-            "console",
-            lambda message: message.type == "error" and page.console_errors.append(message.text),
-        )
-        yield page
-        browser.close()
+from playwright.sync_api import expect
 
 
 def test_docs_page_shows_the_operations_and_tries_one_offline(
