@@ -64,8 +64,11 @@ DATABASE_RETRY_AFTER = 5
 # Level of the JSON log lines on stdout; INFO includes one line per request.
 LOG_LEVEL = "INFO"
 
-# Proxies in front of gunicorn whose X-Forwarded-* headers wsgi.py trusts: nginx is one hop.
-# 0 when gunicorn faces clients directly (then those headers are ignored).
+# The peer addresses of the proxies whose X-Forwarded-* headers are honoured (proxies.py): none by
+# default, so a client that reaches the app directly cannot choose the host of the URLs it builds
+# or the address it logs. config/production.py and staging.py name nginx on the same machine.
+TRUSTED_PROXIES = []
+# Hops of X-Forwarded-* a trusted proxy's request holds: nginx adds exactly one.
 TRUSTED_PROXY_HOPS = 1
 
 # Requests per API key (per client address without one) to the pets operations, in a fixed

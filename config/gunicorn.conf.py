@@ -21,6 +21,9 @@ timeout = 30
 # On SIGTERM, workers stop accepting, finish the requests in flight for up to this long, then exit.
 graceful_timeout = 30
 keepalive = 5
+# gunicorn takes X-Forwarded-Proto from no one: the app decides whose forwarded headers count
+# (TRUSTED_PROXIES, animal_store/proxies.py), for the scheme as for the host and the address.
+forwarded_allow_ips = ""
 # gunicorn's control socket (for gunicornc) is off unless the deployment names a path for it, such
 # as /run/animal-store/gunicorn.ctl: its default, ~/.gunicorn/, would land in the checkout (the
 # service user's home in docs/deploy.rst), and every instance on a machine would share it.

@@ -54,6 +54,16 @@ def certificate(tmp_path_factory):
 
 
 @pytest.fixture
+def start_gunicorn(start_gunicorn):
+    """gunicorn as docs/deploy.rst runs it behind nginx: with the production settings file."""
+
+    def start(workers=2, env=None, wait=True):
+        return start_gunicorn(workers, {"ANIMAL_STORE_ENV": "production", **(env or {})}, wait)
+
+    return start
+
+
+@pytest.fixture
 def start_nginx(tmp_path, certificate):
     """Start nginx on the shipped config with the given upstream addresses; stopped afterwards."""
     servers = []
