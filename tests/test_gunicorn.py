@@ -138,5 +138,9 @@ def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
     assert list(home.iterdir()) == []
     socket_path = tmp_path / "gunicorn.ctl"
     start_gunicorn(workers=1, env={"HOME": str(home), "GUNICORN_CONTROL_SOCKET": str(socket_path)})
+    # The arbiter opens it on a thread of its own, not before the workers serve.
+    deadline = time.monotonic() + 10
+    while not socket_path.is_socket() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert socket_path.is_socket()
     assert list(home.iterdir()) == []
