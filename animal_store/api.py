@@ -293,8 +293,8 @@ class Policies:
         """Tell whether this request is for a view of the layer that only key holders may use."""
         return request.endpoint in self.protected and request.method != "OPTIONS"
 
-    def authenticate(self):
-        """Check the key of a request that needs one; answer OPTIONS, which never does."""
+    def admit(self):
+        """Answer OPTIONS, which never needs a key, and check the key of a request that does."""
         if request.method == "OPTIONS":
             # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
             # its headers for a listed origin.
@@ -307,7 +307,8 @@ class Policies:
         return None
 
     def add_headers(self, response):
-        """Mark every answer of a deprecated view so, errors included (RFC 9745, RFC 8594)."""
+        """Mark every answer of a deprecated view so, errors included (RFC 9745, RFC 8594), and
+        say that answers vary by Origin while CORS origins are listed."""
         headers = self.deprecated.get(request.endpoint)
         if headers is not None:
             response.headers.update(headers)
@@ -374,7 +375,7 @@ def register_api(app, resources) -> Api:
 
     policies = Policies()
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
-    layer.before_request(policies.authenticate)
+    layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)
     for resource in resources:
