@@ -3,6 +3,7 @@
 import click
 from flask.cli import with_appcontext
 
+from animal_store import store
 from animal_store.extensions import db
 from animal_store.models import PET_STATUSES, Pet
 
@@ -25,6 +26,8 @@ def seed_pets(count: int) -> None:
     for start in range(0, count, BATCH_SIZE):
         rows = [sample_pet(number) for number in range(start, min(start + BATCH_SIZE, count))]
         connection = db.session.connection()
+        # Seeding while the service runs must not break its walks either.
+        store.take_ids_in_commit_order(connection)
         if connection.dialect.name == "postgresql":
             copy_rows(connection, rows)
         else:

@@ -3,9 +3,12 @@
 import base64
 import hashlib
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import requests
 import sqlalchemy as sa
 
 from animal_store.extensions import db
@@ -231,3 +234,87 @@ def test_cursor_is_no_field_of_a_new_animal(client, auth, count_pets):
     assert response.status_code == 400
     assert list(response.get_json()["errors"]) == ["cursor"]
     assert count_pets() == 0
+
+
+# A creation that takes its id, then waits before it commits: the trigger stalls the insert of an
+# animal named "Slowpoke" (PostgreSQL sleeps; SQLite, which cannot sleep, counts to six million).
+SLOW_INSERT = {
+    "postgresql": [
+        """CREATE FUNCTION slow_insert() RETURNS trigger AS $$
+           BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$ LANGUAGE plpgsql""",
+        """CREATE TRIGGER slow_insert AFTER INSERT ON pets FOR EACH ROW
+           WHEN (NEW.name = 'Slowpoke') EXECUTE FUNCTION slow_insert()""",
+    ],
+    "sqlite": [
+        """CREATE TRIGGER slow_insert AFTER INSERT ON pets WHEN NEW.name = 'Slowpoke' BEGIN
+           SELECT count(*) FROM (WITH RECURSIVE n(i) AS
+               (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 6000000) SELECT i FROM n);
+           END""",
+    ],
+}
+SLOW_INSERT_CLEANUP = {
+    "postgresql": ["DROP TRIGGER slow_insert ON pets", "DROP FUNCTION slow_insert()"],
+    "sqlite": ["DROP TRIGGER slow_insert"],
+}
+
+
+@pytest.fixture
+def slow_insert(app):
+    with app.app_context():
+        statements = SLOW_INSERT[db.engine.dialect.name]
+        with db.engine.begin() as connection:
+            for statement in statements:
+                connection.execute(sa.text(statement))
+    yield
+    with app.app_context(), db.engine.begin() as connection:
+        for statement in SLOW_INSERT_CLEANUP[db.engine.dialect.name]:
+            connection.execute(sa.text(statement))
+
+
+def test_walk_sees_every_animal_acknowledged_before_its_last_page(
+    app, make_pet, api_key, slow_insert, start_gunicorn
+):
+    """A creation commits late (its id taken first), another one is sent meanwhile, and a walk
+    passes the end of the list between the two: every animal whose 201 came before the walk asked
+    for its last page is in the walk. On PostgreSQL, without ids made visible in id order, the
+    walk saw the quick ones' ids, then ended after the slow one's lower id had committed."""
+    for name in ("Rex", "Kitty", "Polly"):
+        make_pet(name=name)
+    server = start_gunicorn(workers=3)
+    auth = {"Authorization": f"Bearer {api_key}"}
+    acknowledged = {}
+
+    def create(*names):
+        for name in names:
+            response = requests.post(
+                server.url + "/v1/pets",
+                json={"name": name, "categoryId": 1, "status": "available"},
+                headers=auth,
+                timeout=30,
+            )
+            assert response.status_code == 201, response.text
+            acknowledged[response.json()["id"]] = time.monotonic()
+
+    seen, url = [], server.url + "/v1/pets?limit=2"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # The first page; then the slow creation takes id 4 and two quick ones are sent.
+        page = requests.get(url, headers=auth, timeout=30)
+        seen += [pet["id"] for pet in page.json()]
+        url = next_url(page)
+        slow = pool.submit(create, "Slowpoke")
+        time.sleep(0.5)
+        quick = pool.submit(create, "Quick", "Quicker")
+        time.sleep(0.5)
+        while url:
+            asked = time.monotonic()
+            page = requests.get(url, headers=auth, timeout=30)
+            seen += [pet["id"] for pet in page.json()]
+            url = next_url(page)
+            if url:
+                # Not the last page yet: let both creations finish before the next one.
+                slow.result(), quick.result()
+        slow.result(), quick.result()
+
+    assert seen == sorted(set(seen))
+    assert {pet_id for pet_id, at in acknowledged.items() if at < asked} <= set(seen)
+    assert sorted(acknowledged) == [4, 5, 6]
