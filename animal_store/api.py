@@ -270,6 +270,7 @@ class Policies:
     """
 
     def __init__(self):
+        self.endpoints = frozenset()
         self.protected = frozenset()
         self.vary_origin = False
         self.deprecated = {}
@@ -280,6 +281,7 @@ class Policies:
             for endpoint, view in app.view_functions.items()
             if endpoint.startswith(f"{LAYER}.")
         }
+        self.endpoints = frozenset(views)
         self.protected = frozenset(e for e, doc in views.items() if not doc.get("public"))
         # Answers to listed origins carry CORS headers and others' do not: caches must know.
         self.vary_origin = bool(app.config["CORS_ORIGINS"])
@@ -294,7 +296,13 @@ class Policies:
         return request.endpoint in self.protected and request.method != "OPTIONS"
 
     def admit(self):
-        """Answer OPTIONS, which never needs a key, and check the key of a request that does."""
+        """Answer OPTIONS, which never needs a key, and check the key of a request that does.
+
+        An app-wide hook, registered before the rate limiter's, so the limiter counts the
+        authenticated key against its own limit.
+        """
+        if request.endpoint not in self.endpoints:
+            return None
         if request.method == "OPTIONS":
             # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
             # its headers for a listed origin.
@@ -375,7 +383,6 @@ def register_api(app, resources) -> Api:
 
     policies = Policies()
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
-    layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)
     for resource in resources:
@@ -384,6 +391,8 @@ def register_api(app, resources) -> Api:
     policies.collect(app)
     # The answers' CORS headers, for the origins in CORS_ORIGINS (none by default).
     CORS(app, resources={f"{BASE_PATH}/*": {}})
+    # Before the rate limiter's own hook: keys are checked first, then counted.
+    app.before_request(policies.admit)
     rate_limits.init_rate_limits(app, applies=policies.requires_key)
     security_headers.register_security_headers(app, private=policies.requires_key)
     return api

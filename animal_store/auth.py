@@ -28,7 +28,7 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def issue_key(name: str) -> tuple[ApiKey, str]:
+def issue_key(name: str, rate_limit: str | None = None) -> tuple[ApiKey, str]:
     """Store a new key under this name and return it with the key, which is never stored."""
     key = new_key()
     api_key = ApiKey(
@@ -36,6 +36,7 @@ def issue_key(name: str) -> tuple[ApiKey, str]:
         prefix=key[:VISIBLE_PREFIX_LENGTH],
         key_hash=hash_key(key),
         created_at=datetime.now(UTC),
+        rate_limit=rate_limit,
     )
     db.session.add(api_key)
     return api_key, key
@@ -45,6 +46,7 @@ def issue_key(name: str) -> tuple[ApiKey, str]:
 class CachedKey:
     id: int
     name: str
+    rate_limit: str | None  # None: the service's RATE_LIMIT
     last_used_at: datetime | None
 
 
@@ -52,9 +54,9 @@ class KeyCache:
     """Valid keys by hash, per process: most requests are authenticated without a query.
 
     Only valid keys are kept, so a new key works at once; a revoked key goes on working in a
-    process that has it cached for at most `ttl` seconds. At most `size` keys, least recently
-    used dropped first (cachetools' TTLCache). A lock, because TTLCache is not thread-safe and a
-    worker may serve requests on several threads.
+    process that has it cached for at most `ttl` seconds, and a key's old rate limit holds as
+    long. At most `size` keys, least recently used dropped first (cachetools' TTLCache). A lock,
+    because TTLCache is not thread-safe and a worker may serve requests on several threads.
     """
 
     def __init__(self, ttl: float, size: int):
@@ -110,12 +112,13 @@ def authenticate():
     g.api_key_name = entry.name
     g.api_key_prefix = key[:VISIBLE_PREFIX_LENGTH]  # for the logs, which never see the key
     g.api_key_id = entry.id  # Idempotency-Keys are scoped to the API key
+    g.api_key_rate_limit = entry.rate_limit
     record_use(entry)
 
 
 def look_up_key(key_hash: bytes) -> CachedKey | None:
     row = store.find_key(key_hash)
-    return None if row is None else CachedKey(row["id"], row["name"], row["last_used_at"])
+    return None if row is None else CachedKey(**row)
 
 
 def record_use(entry: CachedKey) -> None:

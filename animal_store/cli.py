@@ -11,7 +11,7 @@ from flask_migrate import upgrade
 from sqlalchemy.exc import IntegrityError
 from werkzeug.serving import run_simple
 
-from animal_store import errors
+from animal_store import errors, rate_limits
 from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.idempotency.claims import purge_expired
@@ -19,16 +19,32 @@ from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
 from animal_store.seed import seed_command
 
-keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
+keys_cli = AppGroup("keys", help="Create, list, limit and revoke API keys.")
+# What `keys set-limit` takes to give a key the service's RATE_LIMIT again.
+DEFAULT_LIMIT = "default"
+
+
+def rate_limit_option(context, parameter, value):
+    if value is None or value == DEFAULT_LIMIT:
+        return None
+    try:
+        return rate_limits.check_limit(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error), context, parameter) from None
 
 
 @keys_cli.command("create")
 @click.argument("name")
-def create_key(name):
+@click.option(
+    "--rate-limit",
+    callback=rate_limit_option,
+    help="Requests this key may make, such as '100/second'; without it, RATE_LIMIT.",
+)
+def create_key(name, rate_limit):
     """Create an API key called NAME and print it; it is shown only this once."""
     if not 1 <= len(name) <= 100:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
-    api_key, key = issue_key(name)
+    api_key, key = issue_key(name, rate_limit)
     try:
         db.session.commit()
     except IntegrityError:
@@ -39,13 +55,16 @@ def create_key(name):
 
 @keys_cli.command("list")
 def list_keys():
-    """Show every key's name, visible prefix, times and whether it is revoked, never the key."""
-    rows = [("NAME", "PREFIX", "CREATED", "LAST USED", "REVOKED")]
+    """Show every key's name, visible prefix, rate limit, times and whether it is revoked, never
+    the key."""
+    rows = [("NAME", "PREFIX", "RATE LIMIT", "CREATED", "LAST USED", "REVOKED")]
+    default_limit = f"{current_app.config['RATE_LIMIT']} (default)"
     for api_key in db.session.scalars(db.select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)):
         rows.append(
             (
                 api_key.name,
                 api_key.prefix + "...",
+                api_key.rate_limit or default_limit,
                 format_time(api_key.created_at),
                 format_time(api_key.last_used_at),
                 format_time(api_key.revoked_at) if api_key.revoked_at else "no",
@@ -58,13 +77,24 @@ def list_keys():
         )
 
 
+@keys_cli.command("set-limit")
+@click.argument("name")
+@click.argument("limit", callback=rate_limit_option)
+def set_key_limit(name, limit):
+    """Give the key called NAME its own rate LIMIT ('100/second', '6000 per minute'), or
+    'default' for RATE_LIMIT. Every worker applies it within KEY_CACHE_SECONDS."""
+    api_key = find_named_key(name)
+    api_key.rate_limit = limit
+    db.session.commit()
+    said = limit or f"{current_app.config['RATE_LIMIT']} (default)"
+    click.echo(f"API key {name!r} may now make {said} requests.")
+
+
 @keys_cli.command("revoke")
 @click.argument("name")
 def revoke_key(name):
     """Revoke the key called NAME; requests with it are refused from then on."""
-    api_key = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
-    if api_key is None:
-        raise click.ClickException(f"No key named {name!r}.")
+    api_key = find_named_key(name)
     if api_key.revoked_at is not None:
         raise click.ClickException(f"The key {name!r} was revoked already.")
     api_key.revoked_at = datetime.now(UTC)
@@ -133,6 +163,13 @@ def port_taken(host: str, port: int) -> bool:
             return False
     except OSError:
         return True
+
+
+def find_named_key(name: str) -> ApiKey:
+    api_key = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
+    if api_key is None:
+        raise click.ClickException(f"No key named {name!r}.")
+    return api_key
 
 
 def format_time(moment: datetime | None) -> str:

@@ -4,6 +4,7 @@ from flask import Blueprint, current_app
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
+from animal_store import rate_limits
 from animal_store.errors import database_unavailable
 from animal_store.extensions import db
 
@@ -18,14 +19,19 @@ def healthz():
 
 @bp.get("/readyz")
 def readyz():
-    """Answer 200 when the database answers a trivial query, else 503 within a bounded time."""
+    """Answer 200 when the database answers a trivial query, else 503 within a bounded time.
+
+    The answer also says how rate limits are counted: "shared" (the configured limit holds),
+    "per process" (each worker counts apart), "storage unreachable" (served unlimited) or "off".
+    None of them makes the instance unready: it serves either way.
+    """
     try:
         check_database()
     except SQLAlchemyError:
         db.session.rollback()
         current_app.logger.warning("Readiness check failed: the database did not answer")
         raise database_unavailable() from None
-    return {"status": "ok"}, 200
+    return {"status": "ok", "rateLimits": rate_limits.counting(current_app)}, 200
 
 
 def check_database() -> None:

@@ -20,7 +20,7 @@ LIST_PAGE = (
 )
 LIST_PAGE_WITH_STATUS = LIST_PAGE.where(Pet.status == sa.bindparam("status"))
 PET_BY_ID = PET_ROW.where(Pet.id == sa.bindparam("pet_id"))
-KEY_BY_HASH = sa.select(ApiKey.id, ApiKey.name, ApiKey.last_used_at).where(
+KEY_BY_HASH = sa.select(ApiKey.id, ApiKey.name, ApiKey.rate_limit, ApiKey.last_used_at).where(
     ApiKey.key_hash == sa.bindparam("key_hash"), ApiKey.revoked_at.is_(None)
 )
 # On the table, not the mapped class: an ORM-enabled insert would take the ORM's bulk path, which
@@ -64,7 +64,7 @@ def take_ids_in_commit_order(connection) -> None:
 
 
 def find_key(key_hash: bytes) -> dict | None:
-    """Return the unrevoked key with this hash (id, name, last_used_at), or None."""
+    """Return the unrevoked key with this hash (id, name, rate_limit, last_used_at), or None."""
     rows = read(KEY_BY_HASH, {"key_hash": key_hash})
     return rows[0] if rows else None
 

@@ -58,6 +58,10 @@ def post_worker_init(worker):
     # Said once a worker has loaded the app and takes requests, so an operator (or a test) can
     # tell a server whose workers have all started from one whose first worker alone serves.
     worker.log.info("Worker ready (pid: %s)", worker.pid)
+    # Loud when the rate limits cannot hold: counted in each worker's memory.
+    from animal_store.rate_limits import warn_if_counted_apart
+
+    warn_if_counted_apart(worker.wsgi, worker.cfg.workers)
 
 
 def post_fork(server, worker):

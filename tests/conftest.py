@@ -23,6 +23,7 @@ from animal_store.models import Pet
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
+TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
 
 def migrate_to_head(database_url):
@@ -84,6 +85,11 @@ def make_app(database_url):
     for app in apps:
         with app.app_context():
             db.engine.dispose()
+        # The rate limiter's Redis client, where it has one (limits' RedisStorage.storage).
+        limiter = app.extensions["animal_store_limiter"]
+        redis_client = getattr(limiter._storage, "storage", None) if limiter.enabled else None
+        if hasattr(redis_client, "close"):
+            redis_client.close()
 
 
 @pytest.fixture
@@ -147,6 +153,21 @@ def count_pets(app):
             return db.session.scalar(sa.select(sa.func.count()).select_from(Pet))
 
     return count
+
+
+@pytest.fixture
+def redis_url():
+    """The test Redis database, emptied; the test skips when no Redis answers."""
+    import redis
+
+    connection = redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1)
+    try:
+        connection.flushdb()
+    except redis.ConnectionError as error:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL} ({error}); set TEST_REDIS_URL")
+    finally:
+        connection.close()
+    return TEST_REDIS_URL
 
 
 def free_port():

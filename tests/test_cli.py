@@ -30,7 +30,7 @@ def test_keys_create_refuses_bad_names(runner, name):
 
 def test_keys_list_shows_metadata_never_the_key(client, runner):
     key = runner.invoke(args=["keys", "create", "alpha"]).output.strip().splitlines()[-1]
-    runner.invoke(args=["keys", "create", "beta"])
+    runner.invoke(args=["keys", "create", "beta", "--rate-limit", "100/second"])
     client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"})
     runner.invoke(args=["keys", "revoke", "beta"])
     result = runner.invoke(args=["keys", "list"])
@@ -38,10 +38,21 @@ def test_keys_list_shows_metadata_never_the_key(client, runner):
     assert key not in result.output
     assert key[4:20] not in result.output
     header, alpha, beta = result.output.strip().splitlines()
-    assert header.split() == ["NAME", "PREFIX", "CREATED", "LAST", "USED", "REVOKED"]
+    assert header.split() == [
+        "NAME",
+        "PREFIX",
+        "RATE",
+        "LIMIT",
+        "CREATED",
+        "LAST",
+        "USED",
+        "REVOKED",
+    ]
     today = datetime.now(UTC).strftime("%Y-%m-%d")
     assert alpha.startswith("alpha")
     assert key[:10] + "..." in alpha
+    assert "6000 per minute (default)" in alpha
+    assert "100/second" in beta
     assert alpha.count(today) == 2
     assert alpha.endswith("no")
     assert beta.startswith("beta")

@@ -3,7 +3,6 @@ budget per key across the pets operations; never on documents or health; off by 
 broken store serves unlimited; with Redis the limit holds across gunicorn workers."""
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,22 +11,9 @@ from conftest import free_port
 
 from animal_store import create_app
 
-TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
-
-@pytest.fixture
-def redis_url():
-    """The test Redis database, emptied; the test skips when no Redis answers."""
-    import redis
-
-    connection = redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1)
-    try:
-        connection.flushdb()
-    except redis.ConnectionError as error:
-        pytest.skip(f"no Redis at {TEST_REDIS_URL} ({error}); set TEST_REDIS_URL")
-    finally:
-        connection.close()
-    return TEST_REDIS_URL
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.fixture
@@ -39,10 +25,6 @@ def limited(make_app, make_key):
         return app.test_client()
 
     return make
-
-
-def bearer(key):
-    return {"Authorization": f"Bearer {key}"}
 
 
 def test_limit_answers_429_with_error_object_and_headers(limited, make_key):
@@ -86,9 +68,13 @@ def test_the_operations_share_one_budget(limited, make_key, count_pets):
     assert count_pets() == 1  # the refused creation created nothing
 
 
-def test_requests_without_a_key_are_counted_per_address(limited):
+@pytest.mark.parametrize("headers", [{}, bearer("ask_unknown"), {"Authorization": "Basic eDp5"}])
+def test_requests_without_a_valid_key_are_refused_not_counted(limited, make_key, headers):
     client = limited("2 per hour")
-    assert [client.get("/v1/pets").status_code for _ in range(3)] == [401, 401, 429]
+    assert [client.get("/v1/pets", headers=headers).status_code for _ in range(3)] == [401] * 3
+    # From the same address, a valid key still has its whole budget.
+    valid = bearer(make_key())
+    assert [client.get("/v1/pets", headers=valid).status_code for _ in range(3)] == [200, 200, 429]
 
 
 @pytest.mark.parametrize("path", ["/v1/openapi.json", "/v1/docs", "/healthz", "/readyz", "/"])
@@ -170,3 +156,85 @@ def test_memory_storage_multiplies_the_limit_by_the_workers(start_gunicorn, make
     statuses = statuses_of_parallel_requests(server.url + "/v1/pets", bearer(make_key()), 100)
     assert 20 < statuses.count(200) <= 4 * 20
     assert set(statuses) == {200, 429}
+
+
+def test_a_key_has_the_limit_the_cli_gives_it(limited, runner, count_pets):
+    client = limited("5 per hour")
+    created = runner.invoke(args=["keys", "create", "bulk", "--rate-limit", "2 per hour"])
+    assert created.exit_code == 0, created.output
+    headers = bearer(created.output.strip().splitlines()[-1])
+    statuses = [client.get("/v1/pets", headers=headers).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]
+    assert client.get("/v1/pets", headers=headers).headers["RateLimit-Limit"] == "2"
+
+
+@pytest.mark.parametrize(("limit", "expected"), [("3/hour", "3"), ("default", "5")])
+def test_set_limit_changes_a_keys_limit_within_the_key_cache_delay(
+    make_app, make_key, limit, expected
+):
+    # A cache of 0 s: the change applies to the next request (KEY_CACHE_SECONDS otherwise).
+    app = make_app(RATE_LIMIT="5 per hour", KEY_CACHE_SECONDS=0)
+    headers = bearer(make_key("changing"))
+    runner, client = app.test_cli_runner(), app.test_client()
+    assert runner.invoke(args=["keys", "set-limit", "changing", "1/second"]).exit_code == 0
+    assert client.get("/v1/pets", headers=headers).headers["RateLimit-Limit"] == "1"
+    result = runner.invoke(args=["keys", "set-limit", "changing", limit])
+    assert result.exit_code == 0, result.output
+    assert client.get("/v1/pets", headers=headers).headers["RateLimit-Limit"] == expected
+    listed = runner.invoke(args=["keys", "list"]).output
+    assert (limit if limit != "default" else "5 per hour (default)") in listed
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["keys", "create", "bad", "--rate-limit", "lots"],
+        ["keys", "create", "bad", "--rate-limit", "10 per fortnight"],
+        ["keys", "set-limit", "tester", "0.5/second"],
+        ["keys", "set-limit", "tester", ""],
+        ["keys", "set-limit", "nobody", "1/second"],
+    ],
+)
+def test_a_limit_that_is_no_limit_is_refused_and_nothing_changes(runner, make_key, args):
+    make_key("tester")
+    before = runner.invoke(args=["keys", "list"]).output
+    result = runner.invoke(args=args)
+    assert result.exit_code != 0
+    assert "not a rate limit" in result.output or "No key named 'nobody'" in result.output
+    assert runner.invoke(args=["keys", "list"]).output == before
+
+
+def test_a_bad_rate_limit_setting_stops_the_boot(make_app):
+    with pytest.raises(ValueError, match="not a rate limit"):
+        make_app(RATE_LIMIT="plenty")
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({}, "per process"),
+        ({"RATELIMIT_ENABLED": False}, "off"),
+        ({"RATELIMIT_STORAGE_URI": f"redis://127.0.0.1:{free_port()}/0"}, "storage unreachable"),
+    ],
+)
+def test_readyz_says_how_limits_are_counted(make_app, settings, said):
+    response = make_app(**settings).test_client().get("/readyz")
+    assert response.status_code == 200
+    assert response.get_json() == {"status": "ok", "rateLimits": said}
+
+
+def test_readyz_says_shared_with_redis(make_app, redis_url):
+    response = make_app(RATELIMIT_STORAGE_URI=redis_url).test_client().get("/readyz")
+    assert response.get_json() == {"status": "ok", "rateLimits": "shared"}
+
+
+@pytest.mark.parametrize(("storage", "warned"), [("memory://", True), ("redis", False)])
+def test_workers_warn_at_boot_when_they_count_apart(start_gunicorn, redis_url, storage, warned):
+    uri = redis_url if storage == "redis" else storage
+    server = start_gunicorn(workers=2, env={"ANIMAL_STORE_RATELIMIT_STORAGE_URI": uri})
+    warning = "Rate limits are counted in each worker's memory"
+    assert server.log().count(warning) == (2 if warned else 0)
+    if warned:
+        assert "with 2 workers a key may make up to 2 times its limit" in server.log()
+    expected = "per process" if warned else "shared"
+    assert requests.get(server.url + "/readyz", timeout=5).json()["rateLimits"] == expected
