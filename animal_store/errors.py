@@ -372,8 +372,9 @@ def nginx_error_locations(config) -> str:
         body = orjson.dumps(error_body(kind, message)).decode()
         lines = [f"        location = /errors/{status}.json {{"]
         if kind.headers:
-            # An add_header here replaces the server's, so X-Request-ID is repeated.
+            # An add_header here replaces the outer ones, so X-Request-ID and nosniff are repeated.
             lines.append("            add_header X-Request-ID $animal_store_request_id always;")
+            lines.append("            add_header X-Content-Type-Options nosniff always;")
             retry_after = config["DATABASE_RETRY_AFTER"]
             lines.append(f"            add_header Retry-After {retry_after} always;")
         lines += [f"            return {status} '{body}';", "        }"]

@@ -1,14 +1,18 @@
 """A real nginx running the shipped config/nginx.conf, rendered with a test's ports and paths."""
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import PROJECT_DIR, free_port, stop_process
+from requests.structures import CaseInsensitiveDict
 
 NGINX = shutil.which("nginx") or next(
     (path for path in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(path, os.X_OK)), None
@@ -132,3 +136,44 @@ class Nginx:
 
     def stop(self):
         stop_process(self.process, timeout=10)
+
+
+CURL = shutil.which("curl")
+
+
+@dataclass
+class CurlResponse:
+    http_version: str
+    status_code: int
+    headers: CaseInsensitiveDict
+    content: bytes
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def curl(protocol, method, url, certificate, headers=(), content=None, timeout=10):
+    """One request with curl over "HTTP/1.1" or "HTTP/2", as a user would send it.
+
+    curl rather than a Python client: over HTTP/2, httpx keeps sending a body nginx has refused
+    and waits for flow-control credit that never comes; curl reads the early answer.
+    """
+    with tempfile.TemporaryDirectory() as directory:
+        head, body = Path(directory) / "head", Path(directory) / "body"
+        command = [CURL, "--silent", "--show-error", "--cacert", str(certificate)]
+        command += ["--http2" if protocol == "HTTP/2" else "--http1.1", "--max-time", str(timeout)]
+        command += ["--request", method, "--dump-header", str(head), "--output", str(body)]
+        for name, value in dict(headers).items():
+            command += ["--header", f"{name}: {value}"]
+        if content is not None:
+            command += ["--data-binary", "@-"]
+        subprocess.run([*command, url], input=content, check=True, capture_output=True)
+        status_line, *lines = head.read_bytes().decode().split("\r\n\r\n")[-2].splitlines()
+        version, status = status_line.split()[:2]
+        fields = (line.partition(":") for line in lines)
+        return CurlResponse(
+            "HTTP/2" if version == "HTTP/2" else version,
+            int(status),
+            CaseInsensitiveDict({name: value.strip() for name, _, value in fields}),
+            body.read_bytes(),
+        )

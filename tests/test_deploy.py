@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from conftest import TEST_DATABASE_URL
-from nginx_server import NGINX, Nginx
+from nginx_server import CURL, NGINX, Nginx, curl
+
+from animal_store import default_settings, errors
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
 
@@ -151,6 +153,11 @@ def test_plain_http_redirects_to_https(start_gunicorn, start_nginx):
     )
     assert response.status_code == 308
     assert response.headers["Location"] == "https://127.0.0.1/v1/pets?limit=1"
+    # No HTML page: an empty body, and the headers every answer carries.
+    assert response.content == b""
+    assert "Content-Type" not in response.headers
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
 
 
 def test_client_address_is_nginxs_peer_not_a_spoofed_header(
@@ -202,33 +209,80 @@ def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, 
     assert api_key not in nginx.access_log() + nginx.error_log()
 
 
-@pytest.mark.parametrize(
-    ("request_kwargs", "status", "code"),
-    [
-        ({"method": "POST", "data": b"x" * (64 * 1024 + 1)}, 413, "payload_too_large"),
-        ({"method": "GET", "params": {"q": "x" * 9000}}, 414, "uri_too_long"),
-        (
-            {"method": "GET", "headers": {"X-Big": "x" * 9000}},
-            431,
-            "request_header_fields_too_large",
-        ),
-    ],
-    ids=["oversized-body", "long-uri", "large-header"],
-)
-def test_nginx_refusals_are_json_error_objects(
-    start_gunicorn, start_nginx, session, auth, request_kwargs, status, code
+PROTOCOLS = ["HTTP/1.1", "HTTP/2"]
+
+
+class Curl:
+    def __init__(self, protocol, certificate):
+        self.protocol, self.certificate = protocol, certificate
+
+    def request(self, method, url, headers=(), content=None):
+        return curl(self.protocol, method, url, self.certificate, headers, content)
+
+    def get(self, url, headers=()):
+        return self.request("GET", url, headers)
+
+
+@pytest.fixture(params=PROTOCOLS)
+def http(request, certificate):
+    """curl speaking one protocol to nginx (curl's default over TLS is HTTP/2)."""
+    if CURL is None:
+        pytest.skip("curl is not installed (Debian: curl)")
+    return Curl(request.param, certificate[0])
+
+
+def catalogue_body(status):
+    """The app's error object for the condition nginx (or gunicorn) refuses with `status`."""
+    kind = errors.KIND_OF_STATUS[status]
+    return errors.error_body(kind, kind.message.format(limit=default_settings.MAX_CONTENT_LENGTH))
+
+
+def assert_error_object(response, status, protocol):
+    assert response.http_version == protocol
+    assert response.status_code == status
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
+    assert response.json() == catalogue_body(status)
+
+
+# gunicorn refuses a request line over 4094 bytes: "GET " + URI + " HTTP/1.1" (nginx answers
+# those itself), a header field over 8190 (gunicorn answers up to nginx's own limit, 128 KiB).
+LONGEST_GET_URI = 4094 - len("GET  HTTP/1.1")
+REFUSALS = {
+    "body-just-over": ({"method": "POST", "content": b"x" * (64 * 1024 + 1)}, 413),
+    "body-far-over": ({"method": "POST", "content": b"x" * 200_000}, 413),
+    "uri-just-over": ({"method": "GET", "url": "/v1/pets?q=" + "x" * (LONGEST_GET_URI - 10)}, 414),
+    "uri-far-over": ({"method": "GET", "url": "/v1/pets?q=" + "x" * 20_000}, 414),
+    "header-9k": ({"method": "GET", "headers": {"X-Big": "x" * 9_000}}, 431),
+    "header-15k": ({"method": "GET", "headers": {"X-Big": "x" * 15_000}}, 431),
+    "header-60k": ({"method": "GET", "headers": {"X-Big": "x" * 60_000}}, 431),
+}
+
+
+@pytest.mark.parametrize(("request_kwargs", "status"), REFUSALS.values(), ids=REFUSALS.keys())
+def test_refusals_at_the_edge_are_the_apps_error_objects(
+    start_gunicorn, start_nginx, http, auth, request_kwargs, status
 ):
+    """Over HTTP/1.1 and HTTP/2 alike: nginx's (and gunicorn's) refusals carry the catalogue's
+    code and message, nosniff and a request ID; the app never sees the request."""
     gunicorn = start_gunicorn(workers=1)
     nginx = start_nginx([address(gunicorn)])
     kwargs = dict(request_kwargs)
     headers = {**auth, "Content-Type": "application/json", **kwargs.pop("headers", {})}
-    response = session.request(url=f"{nginx.url}/v1/pets", headers=headers, **kwargs)
-    assert response.status_code == status
-    assert response.headers["Content-Type"] == "application/json"
-    assert response.json()["code"] == code
-    assert response.json()["status"] == status
-    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
-    assert request_lines(gunicorn) == []  # nginx answered; the app never saw it
+    url = nginx.url + kwargs.pop("url", "/v1/pets")
+    response = http.request(url=url, headers=headers, **kwargs)
+    assert_error_object(response, status, http.protocol)
+    assert request_lines(gunicorn) == []
+
+
+def test_the_longest_uri_gunicorn_takes_reaches_the_app(start_gunicorn, start_nginx, http, auth):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    url = nginx.url + "/v1/pets?q=" + "x" * (LONGEST_GET_URI - 11)
+    response = http.get(url, headers=auth)
+    assert response.status_code == 200  # an unknown query parameter is ignored
+    assert [line["status"] for line in request_lines(gunicorn)] == [200]
 
 
 def test_request_nginx_cannot_parse_is_a_json_400(start_gunicorn, start_nginx, certificate):
@@ -261,34 +315,22 @@ def test_largest_body_nginx_allows_reaches_the_app(start_gunicorn, start_nginx, 
     assert response.status_code == 201
 
 
-def test_stopped_upstream_is_a_json_502(start_gunicorn, start_nginx, session, auth):
+def test_stopped_upstream_is_a_json_502(start_gunicorn, start_nginx, http, auth):
     gunicorn = start_gunicorn(workers=1)
     nginx = start_nginx([address(gunicorn)])
     gunicorn.stop()
-    response = session.get(f"{nginx.url}/v1/pets", headers=auth)
-    assert response.status_code == 502
-    assert response.headers["Content-Type"] == "application/json"
+    response = http.get(f"{nginx.url}/v1/pets", headers=auth)
+    assert_error_object(response, 502, http.protocol)
     assert response.headers["Retry-After"] == "5"
-    assert response.json() == {
-        "code": "bad_gateway",
-        "message": "The service is not reachable; try again later.",
-        "status": 502,
-    }
 
 
-def test_silent_upstream_is_a_json_504(start_nginx, session, auth):
+def test_silent_upstream_is_a_json_504(start_nginx, http, auth):
     # Accepts connections (the kernel's backlog) and never answers, like a hung instance.
     with socket.create_server(("127.0.0.1", 0)) as silent:
         upstream = f"127.0.0.1:{silent.getsockname()[1]}"
         nginx = start_nginx([upstream], proxy_read_timeout="1s")
-        response = session.get(f"{nginx.url}/v1/pets", headers=auth)
-    assert response.status_code == 504
-    assert response.headers["Content-Type"] == "application/json"
-    assert response.json() == {
-        "code": "gateway_timeout",
-        "message": "The service did not answer in time.",
-        "status": 504,
-    }
+        response = http.get(f"{nginx.url}/v1/pets", headers=auth)
+    assert_error_object(response, 504, http.protocol)
 
 
 def test_sigterm_during_writes_loses_nothing_acknowledged(
