@@ -3,8 +3,6 @@ the app and its clients, API keys, sample animals, and live gunicorn servers."""
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 from flask_migrate import upgrade
+from nginx_server import PROJECT_DIR, free_port, stop_process
 from playwright.sync_api import sync_playwright
 
 from animal_store import create_app
@@ -21,7 +20,6 @@ from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import Pet
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
@@ -170,12 +168,6 @@ def redis_url():
     return TEST_REDIS_URL
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Gunicorn:
     """A real gunicorn serving wsgi:app with the production config on a loopback port."""
 
@@ -229,17 +221,6 @@ class Gunicorn:
     def stop(self):
         stop_process(self.process, timeout=30)
         self.log_file.close()
-
-
-def stop_process(process, timeout):
-    """Stop a server this test started, by PID: SIGTERM, then SIGKILL after `timeout` seconds."""
-    if process.poll() is None:
-        os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.fixture

@@ -1,18 +1,66 @@
-"""A real nginx running the shipped config/nginx.conf, rendered with a test's ports and paths."""
+"""A real nginx running the shipped config/nginx.conf, rendered with a test's ports and paths.
 
-import json
+Standard library only: benchmarks/http_bench.py drives the same nginx without the test extras.
+"""
+
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import PROJECT_DIR, free_port, stop_process
-from requests.structures import CaseInsensitiveDict
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def stop_process(process, timeout):
+    """Stop a server this test started, by PID: SIGTERM, then SIGKILL after `timeout` seconds."""
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
+    certificate, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(certificate),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return certificate, key
+
 
 NGINX = shutil.which("nginx") or next(
     (path for path in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(path, os.X_OK)), None
@@ -136,44 +184,3 @@ class Nginx:
 
     def stop(self):
         stop_process(self.process, timeout=10)
-
-
-CURL = shutil.which("curl")
-
-
-@dataclass
-class CurlResponse:
-    http_version: str
-    status_code: int
-    headers: CaseInsensitiveDict
-    content: bytes
-
-    def json(self):
-        return json.loads(self.content)
-
-
-def curl(protocol, method, url, certificate, headers=(), content=None, timeout=10):
-    """One request with curl over "HTTP/1.1" or "HTTP/2", as a user would send it.
-
-    curl rather than a Python client: over HTTP/2, httpx keeps sending a body nginx has refused
-    and waits for flow-control credit that never comes; curl reads the early answer.
-    """
-    with tempfile.TemporaryDirectory() as directory:
-        head, body = Path(directory) / "head", Path(directory) / "body"
-        command = [CURL, "--silent", "--show-error", "--cacert", str(certificate)]
-        command += ["--http2" if protocol == "HTTP/2" else "--http1.1", "--max-time", str(timeout)]
-        command += ["--request", method, "--dump-header", str(head), "--output", str(body)]
-        for name, value in dict(headers).items():
-            command += ["--header", f"{name}: {value}"]
-        if content is not None:
-            command += ["--data-binary", "@-"]
-        subprocess.run([*command, url], input=content, check=True, capture_output=True)
-        status_line, *lines = head.read_bytes().decode().split("\r\n\r\n")[-2].splitlines()
-        version, status = status_line.split()[:2]
-        fields = (line.partition(":") for line in lines)
-        return CurlResponse(
-            "HTTP/2" if version == "HTTP/2" else version,
-            int(status),
-            CaseInsensitiveDict({name: value.strip() for name, _, value in fields}),
-            body.read_bytes(),
-        )

@@ -8,13 +8,17 @@ import signal
 import socket
 import ssl
 import subprocess
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
 from conftest import TEST_DATABASE_URL
-from nginx_server import CURL, NGINX, Nginx, curl
+from nginx_server import NGINX, Nginx, make_certificate
+from requests.structures import CaseInsensitiveDict
 
 from animal_store import default_settings, errors
 
@@ -26,33 +30,7 @@ def certificate(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (Debian: openssl)")
-    directory = tmp_path_factory.mktemp("tls")
-    certificate, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(certificate),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return certificate, key
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
@@ -210,6 +188,47 @@ def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, 
 
 
 PROTOCOLS = ["HTTP/1.1", "HTTP/2"]
+
+
+CURL = shutil.which("curl")
+
+
+@dataclass
+class CurlResponse:
+    http_version: str
+    status_code: int
+    headers: CaseInsensitiveDict
+    content: bytes
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def curl(protocol, method, url, certificate, headers=(), content=None, timeout=10):
+    """One request with curl over "HTTP/1.1" or "HTTP/2", as a user would send it.
+
+    curl rather than a Python client: over HTTP/2, httpx keeps sending a body nginx has refused
+    and waits for flow-control credit that never comes; curl reads the early answer.
+    """
+    with tempfile.TemporaryDirectory() as directory:
+        head, body = Path(directory) / "head", Path(directory) / "body"
+        command = [CURL, "--silent", "--show-error", "--cacert", str(certificate)]
+        command += ["--http2" if protocol == "HTTP/2" else "--http1.1", "--max-time", str(timeout)]
+        command += ["--request", method, "--dump-header", str(head), "--output", str(body)]
+        for name, value in dict(headers).items():
+            command += ["--header", f"{name}: {value}"]
+        if content is not None:
+            command += ["--data-binary", "@-"]
+        subprocess.run([*command, url], input=content, check=True, capture_output=True)
+        status_line, *lines = head.read_bytes().decode().split("\r\n\r\n")[-2].splitlines()
+        version, status = status_line.split()[:2]
+        fields = (line.partition(":") for line in lines)
+        return CurlResponse(
+            "HTTP/2" if version == "HTTP/2" else version,
+            int(status),
+            CaseInsensitiveDict({name: value.strip() for name, _, value in fields}),
+            body.read_bytes(),
+        )
 
 
 class Curl:
