@@ -1,21 +1,27 @@
 """The service against the WSGI ceiling, over HTTP, with wrk: how close do we get?
 
 One run seeds a database (`flask --app animal_store seed N`), starts the service under the
-production gunicorn config, records its answers, starts benchmarks/ceiling.py (a raw WSGI callable
-sending those same bytes after the same in-memory key check) under the same config and worker
-count, then drives the two in turn with wrk for each scenario, round after round, so a load that
-comes and goes on the machine weighs on both alike. It prints req/s, p50, p99 and server CPU per
-request (utime + stime of the gunicorn master and workers, from /proc) and each as a ratio to the
-ceiling, then the targets.
+production gunicorn config, records its answers, and starts benchmarks/ceiling.py (a raw WSGI
+callable sending those same bytes after the same in-memory key check) under the same config and
+worker count, in sync workers: the most a WSGI app gets out of gunicorn on this machine. Each of
+the two is measured on the paths users take: directly, and through the shipped nginx file
+(config/nginx.conf, TLS, client keep-alive, HTTP/1.1 as wrk speaks it; one nginx in front of
+each, its workers one per core as Debian's default file has them). wrk drives them in turn for
+each scenario, round after round, so a load that comes and goes on the machine weighs on both
+alike. It prints req/s, p50, p99 and server CPU per request (utime + stime of the gunicorn master
+and workers, from /proc; nginx's own is not counted) and each as a ratio to the ceiling on the
+same path, then the targets.
 
     python benchmarks/http_bench.py                          # SQLite in a temporary directory
     python benchmarks/http_bench.py --duration 3 --rounds 3 --scenarios list,get
+    python benchmarks/http_bench.py --paths nginx            # only through nginx
+    python benchmarks/http_bench.py --worker-class gthread --upstream-keepalive 16  # alternatives
     python benchmarks/http_bench.py --deep                   # first page against a deep page
     python benchmarks/http_bench.py --memory 100000          # worker RSS over 100,000 requests
     python benchmarks/http_bench.py --database-url postgresql://postgres@127.0.0.1:5432/bench
 
 A database given with --database-url is migrated and has animals and a key added: use a scratch
-one. Needs wrk (Debian: `apt-get install wrk`).
+one. Needs wrk (Debian: `apt-get install wrk`), and nginx and openssl for the nginx path.
 """
 
 import argparse
@@ -24,8 +30,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,14 +41,23 @@ from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = Path(__file__).resolve().parent
+# The tests' nginx, rendered from the shipped file the same way (standard library only).
+sys.path.insert(0, str(PROJECT_DIR / "tests"))
+from nginx_server import NGINX, Nginx, free_port, make_certificate, stop_process  # noqa: E402
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 NEW_PET = b'{"name": "Benchmark Rex", "categoryId": 3, "status": "available"}'
 LIMIT = 20
 SCENARIOS = ("list", "get", "create")
-# Ratio of the service to the ceiling measured in the same run (issue 7). For req/s at least
-# this much; for p99 at most this many times the ceiling's.
-THROUGHPUT_TARGETS = {"list": 0.45, "get": 0.50, "create": 0.15}
+PATHS = ("direct", "nginx")
+# Ratio of the service to the ceiling measured in the same run on the same path (issue 15). For
+# req/s at least this much; for p99 at most this many times the ceiling's.
+THROUGHPUT_TARGETS = {
+    "nginx": {"list": 0.45, "get": 0.60, "create": 0.20},
+    "direct": {"list": 0.50, "get": 0.60},
+}
 LIST_P99_TARGET = 3.0
+LIST_CPU_TARGET_MS = 0.45
 DEEP_PAGE_TARGET = 1.3
 RSS_GROWTH_TARGET = 0.10
 # Headers the server writes itself; the ceiling's gunicorn adds its own.
@@ -64,7 +77,14 @@ def main():
     try:
         print(f"load average {load()}; {os.cpu_count()} cores; {args.workers} workers each")
         key = prepare_database(database_url, args.animals)
-        service = Server("service", "wsgi:app", args.workers, workdir, service_env(database_url))
+        service = Server(
+            "service",
+            "wsgi:app",
+            args.workers,
+            workdir,
+            service_env(database_url),
+            ["--worker-class", args.worker_class] if args.worker_class else [],
+        )
         servers.append(service)
         service.wait_until_serving()
         if args.memory:
@@ -81,10 +101,14 @@ def main():
                 args.workers,
                 workdir,
                 {"CEILING_RESPONSES": str(recorded)},
-                ["--pythonpath", str(BENCHMARKS_DIR)],
+                ["--pythonpath", str(BENCHMARKS_DIR), "--worker-class", "sync"],
             )
             servers.append(ceiling)
             ceiling.wait_until_serving()
+            if "nginx" in args.paths:
+                certificate = make_certificate(workdir)
+                for server in (ceiling, service):
+                    servers.append(server.put_behind_nginx(workdir, certificate, args))
             compare(ceiling, service, key, answers, args, workdir)
         print(f"load average {load()}")
     finally:
@@ -111,6 +135,19 @@ def parse_args():
     parser.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help="comma-separated: list,get,create"
     )
+    parser.add_argument(
+        "--paths", default=",".join(PATHS), help="comma-separated: direct,nginx (both)"
+    )
+    parser.add_argument(
+        "--worker-class", help="the service's gunicorn workers (default: config/gunicorn.conf.py)"
+    )
+    parser.add_argument(
+        "--upstream-keepalive",
+        type=int,
+        default=0,
+        metavar="N",
+        help="nginx keeps N idle connections to each gunicorn (the shipped file: none)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database and logs")
     parser.add_argument("--database-url", help="a scratch database instead of SQLite in /tmp")
     modes = parser.add_mutually_exclusive_group()
@@ -122,6 +159,11 @@ def parse_args():
     args.scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
     if unknown := set(args.scenarios) - set(SCENARIOS):
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
+    args.paths = [name.strip() for name in args.paths.split(",") if name.strip()]
+    if unknown := set(args.paths) - set(PATHS):
+        parser.error(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+    if "nginx" in args.paths and (NGINX is None or shutil.which("openssl") is None):
+        parser.error("the nginx path needs nginx and openssl (Debian: apt-get install nginx)")
     if args.animals is None:
         args.animals = 1_000_000 if args.deep else 10_000
     return args
@@ -169,12 +211,6 @@ def prepare_database(database_url, animals) -> str:
     return key
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Server:
     """gunicorn with the production config serving one WSGI app on a free loopback port."""
 
@@ -204,6 +240,19 @@ class Server:
                 stderr=log,
             )
         self.workers = workers
+        # Where wrk sends each path's requests.
+        self.urls = {"direct": self.url}
+
+    def put_behind_nginx(self, workdir, certificate, args) -> Nginx:
+        nginx = Nginx(
+            workdir / f"nginx-{self.name}",
+            [self.url.removeprefix("http://")],
+            *certificate,
+            upstream_keepalive=args.upstream_keepalive,
+            worker_processes="auto",
+        ).wait_until_serving()
+        self.urls["nginx"] = nginx.url
+        return nginx
 
     def wait_until_serving(self, timeout=30):
         deadline = time.monotonic() + timeout
@@ -250,13 +299,7 @@ class Server:
         return rss
 
     def stop(self):
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process, timeout=30)
 
 
 def fetch(url, key, method="GET", body=None):
@@ -303,7 +346,7 @@ def write_scripts(workdir) -> dict:
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def run_wrk(server, path, key, args, duration=None, script=None) -> dict:
+def run_wrk(server, path, key, args, duration=None, script=None, via="direct") -> dict:
     """Drive the server with wrk; return req/s, p50 and p99 in ms, and CPU ms per request."""
     command = [
         "wrk",
@@ -318,12 +361,14 @@ def run_wrk(server, path, key, args, duration=None, script=None) -> dict:
         command += ["--script", str(script)]
     cpu_before = server.cpu_seconds()
     output = subprocess.run(
-        [*command, server.url + path], capture_output=True, text=True, check=True
+        [*command, server.urls[via] + path], capture_output=True, text=True, check=True
     ).stdout
     cpu = server.cpu_seconds() - cpu_before
     requests = int(re.search(r"(\d+) requests in", output)[1])
     if bad := re.search(r"Non-2xx or 3xx responses: (\d+)", output):
-        sys.exit(f"{server.name} {path}: {bad[1]} of {requests} answers were errors\n{output}")
+        sys.exit(
+            f"{server.name} {via} {path}: {bad[1]} of {requests} answers were errors\n{output}"
+        )
     percentiles = {
         percent: float(value) * UNITS[unit]
         for percent, value, unit in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s)$", output, re.M)
@@ -341,18 +386,24 @@ def compare(ceiling, service, key, answers, args, workdir):
     scripts = write_scripts(workdir)
     print(
         f"wrk -t{args.threads} -c{args.connections} -d{args.duration}s, {args.rounds} rounds, "
-        "ceiling and service in turn"
+        f"ceiling and service in turn, paths: {', '.join(args.paths)}"
     )
-    for name in args.scenarios:  # warm both up: imports, caches, connection pools
+    runs = [(name, via) for name in args.scenarios for via in args.paths]
+    for name, via in runs:  # warm both up: imports, caches, connection pools
         for server in (ceiling, service):
-            run_wrk(server, answers[name]["path"], key, args, 1, scripts.get(name))
-    results = {name: {"ceiling": [], "service": []} for name in args.scenarios}
+            run_wrk(server, answers[name]["path"], key, args, 1, scripts.get(name), via)
+    results = {run: {"ceiling": [], "service": []} for run in runs}
     for round_number in range(1, args.rounds + 1):
-        for name in args.scenarios:
+        for name, via in runs:
             for server in (ceiling, service):
-                figures = run_wrk(server, answers[name]["path"], key, args, None, scripts.get(name))
-                results[name][server.name].append(figures)
-            print(f"  round {round_number} {name:6} load {load()}: " + round_summary(results[name]))
+                figures = run_wrk(
+                    server, answers[name]["path"], key, args, None, scripts.get(name), via
+                )
+                results[name, via][server.name].append(figures)
+            print(
+                f"  round {round_number} {name:6} {via:6} load {load()}: "
+                + round_summary(results[name, via])
+            )
     print_results(results)
 
 
@@ -370,33 +421,40 @@ def median_ratio(result, figure) -> float:
 
 def print_results(results):
     print()
-    print(f"{'':16}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU ms/req':>12}")
-    for name, result in results.items():
+    print(f"{'':22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU ms/req':>12}")
+    for (name, via), result in results.items():
         for server in ("ceiling", "service"):
             rows = result[server]
             medians = [statistics.median(row[f] for row in rows) for f in ("rps", "p50", "p99")]
             cpu = statistics.median(row["cpu"] for row in rows)
             print(
-                f"{name:7}{server:9}{medians[0]:10.0f}{medians[1]:10.2f}{medians[2]:10.2f}"
+                f"{name:7}{via:7}{server:8}{medians[0]:10.0f}{medians[1]:10.2f}{medians[2]:10.2f}"
                 f"{cpu:12.3f}"
             )
         ratios = [median_ratio(result, figure) for figure in ("rps", "p50", "p99", "cpu")]
         print(
-            f"{name:7}{'ratio':9}"
+            f"{name:7}{via:7}{'ratio':8}"
             + "".join(f"{r:10.2f}" for r in ratios[:3])
             + f"{ratios[3]:12.2f}"
         )
-    print("\ntargets (ratios to the ceiling in this run; medians of the rounds' ratios):")
-    for name, target in THROUGHPUT_TARGETS.items():
-        if name in results:
-            ratio = median_ratio(results[name], "rps")
+    print("\ntargets (ratios to the ceiling on the same path in this run; medians of the rounds):")
+    for (name, via), result in results.items():
+        target = THROUGHPUT_TARGETS[via].get(name)
+        if target is not None:
+            ratio = median_ratio(result, "rps")
             met = verdict(ratio >= target)
-            print(f"  {name:6} req/s  {ratio:5.2f}  target >= {target:.2f}  {met}")
-    if "list" in results:
-        ratio = median_ratio(results["list"], "p99")
+            print(f"  {name:6} {via:6} req/s  {ratio:5.2f}  target >= {target:.2f}  {met}")
+    if ("list", "nginx") in results:
+        ratio = median_ratio(results["list", "nginx"], "p99")
         print(
-            f"  list   p99    {ratio:5.2f}  target <= {LIST_P99_TARGET:.2f}  "
+            f"  list   nginx  p99    {ratio:5.2f}  target <= {LIST_P99_TARGET:.2f}  "
             f"{verdict(ratio <= LIST_P99_TARGET)}"
+        )
+    if ("list", "direct") in results:
+        cpu = statistics.median(row["cpu"] for row in results["list", "direct"]["service"])
+        print(
+            f"  list   direct CPU ms {cpu:5.3f}  target <= {LIST_CPU_TARGET_MS:.2f}  "
+            f"{verdict(cpu <= LIST_CPU_TARGET_MS)}"
         )
 
 

@@ -58,10 +58,12 @@ def post_worker_init(worker):
     # Said once a worker has loaded the app and takes requests, so an operator (or a test) can
     # tell a server whose workers have all started from one whose first worker alone serves.
     worker.log.info("Worker ready (pid: %s)", worker.pid)
-    # Loud when the rate limits cannot hold: counted in each worker's memory.
-    from animal_store.rate_limits import warn_if_counted_apart
+    # Loud when the rate limits cannot hold: counted in each worker's memory. (Only for the
+    # store: benchmarks/ceiling.py, a bare WSGI function, runs under this file too.)
+    if hasattr(worker.wsgi, "extensions"):
+        from animal_store.rate_limits import warn_if_counted_apart
 
-    warn_if_counted_apart(worker.wsgi, worker.cfg.workers)
+        warn_if_counted_apart(worker.wsgi, worker.cfg.workers)
 
 
 def post_fork(server, worker):

@@ -70,10 +70,10 @@ SHIPPED_CONFIG = PROJECT_DIR / "config" / "nginx.conf"
 # Stands in for Debian's /etc/nginx/nginx.conf, which includes the shipped file in its http block.
 MAIN_CONFIG = """\
 {user}
-worker_processes 1;
+worker_processes {worker_processes};
 pid {directory}/nginx.pid;
 error_log {directory}/error.log info;
-events {{ worker_connections 256; }}
+events {{ worker_connections 1024; }}
 http {{
     client_body_temp_path {directory}/client_body;
     proxy_temp_path {directory}/proxy;
@@ -93,8 +93,9 @@ def substitute(pattern, replacement, text, count):
     return result
 
 
-def render(directory, upstreams, certificate, key, proxy_read_timeout=None):
-    """Return the shipped config with the test's upstreams, loopback ports and files."""
+def render(directory, upstreams, certificate, key, proxy_read_timeout=None, upstream_keepalive=0):
+    """Return the shipped config with the test's upstreams, loopback ports and files; with
+    `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks)."""
     config = SHIPPED_CONFIG.read_text()
     servers = "".join(
         f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
@@ -120,23 +121,49 @@ def render(directory, upstreams, certificate, key, proxy_read_timeout=None):
             config,
             1,
         )
+    if upstream_keepalive:
+        config = substitute(
+            r"^(upstream animal_store \{\n(?:    server .*\n)+)",
+            rf"\g<1>    keepalive {upstream_keepalive};\n",
+            config,
+            1,
+        )
+        config = substitute(
+            r"^    location / \{\n",
+            "    location / {\n"
+            "        proxy_http_version 1.1;\n"
+            '        proxy_set_header Connection "";\n',
+            config,
+            1,
+        )
     return config, http_port, https_port
 
 
 class Nginx:
     """nginx in the foreground with its own prefix directory, stopped by PID."""
 
-    def __init__(self, directory: Path, upstreams, certificate, key, proxy_read_timeout=None):
+    def __init__(
+        self,
+        directory: Path,
+        upstreams,
+        certificate,
+        key,
+        proxy_read_timeout=None,
+        upstream_keepalive=0,
+        worker_processes=1,
+    ):
         self.directory = directory
         directory.mkdir(parents=True)
         config, self.http_port, self.https_port = render(
-            directory, upstreams, certificate, key, proxy_read_timeout
+            directory, upstreams, certificate, key, proxy_read_timeout, upstream_keepalive
         )
         (directory / "animal-store.conf").write_text(config)
         # Worker processes started by root default to user nobody, who cannot enter pytest's
         # private tmp directory to buffer request bodies.
         user = "user root;" if os.geteuid() == 0 else ""
-        (directory / "nginx.conf").write_text(MAIN_CONFIG.format(user=user, directory=directory))
+        (directory / "nginx.conf").write_text(
+            MAIN_CONFIG.format(user=user, directory=directory, worker_processes=worker_processes)
+        )
         self.url = f"https://127.0.0.1:{self.https_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.process = subprocess.Popen(
