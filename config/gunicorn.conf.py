@@ -1,17 +1,20 @@
-"""gunicorn settings for production; `--bind`, `--workers` and `--threads` on the command line
-override them. Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
+"""gunicorn settings for production; `--bind` and `--workers` on the command line override them.
+Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 
 import os
 
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
-# One process per core, chosen by measurement (docs/deploy.rst). gthread workers keep client
-# connections alive; one thread each by default, because on our 2 cores with the database on the
-# same machine, 4 threads per worker made every operation slower (they only contend for the GIL
-# and the cores): list 998 against 418 req/s on PostgreSQL, create 802 against 569 on SQLite.
-# Raise GUNICORN_THREADS where requests mostly wait on a remote database.
+# One process per core, sync workers: chosen by measurement through the shipped nginx
+# (docs/deploy.rst, Workers, measured). nginx buffers each request and answer and opens a
+# connection per request, which is what sync workers are made for:
+# - a sync worker takes a connection only when it is free, so one slow request never holds up
+#   another that an idle worker could serve (gthread with one thread accepted while busy);
+# - it closes each connection after the answer, and says so, so a connection never dies after
+#   an answer that promised keep-alive (gthread drains at most 64 KiB of a body the app did not
+#   read, then closes), and no upstream keep-alive timeout can race a POST.
+# `--threads N` (N > 1) turns them into gthread workers: measure first.
 workers = int(os.environ.get("WEB_CONCURRENCY", os.cpu_count() or 1))
-worker_class = "gthread"
-threads = int(os.environ.get("GUNICORN_THREADS", 1))
+worker_class = "sync"
 # Not preloaded: each worker imports the app and opens its own database connections after the
 # fork, so no connection (or SQLite file handle) is ever shared between processes. Preloading
 # would save a little memory and boot time, and would need the engine disposed after each fork.
@@ -20,7 +23,6 @@ preload_app = False
 timeout = 30
 # On SIGTERM, workers stop accepting, finish the requests in flight for up to this long, then exit.
 graceful_timeout = 30
-keepalive = 5
 # gunicorn takes X-Forwarded-Proto from no one: the app decides whose forwarded headers count
 # (TRUSTED_PROXIES, animal_store/proxies.py), for the scheme as for the host and the address.
 forwarded_allow_ips = ""

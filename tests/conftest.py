@@ -12,7 +12,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 from flask_migrate import upgrade
-from nginx_server import PROJECT_DIR, free_port, stop_process
+from nginx_server import NGINX, PROJECT_DIR, Nginx, free_port, make_certificate, stop_process
 from playwright.sync_api import sync_playwright
 
 from animal_store import create_app
@@ -153,6 +153,42 @@ def count_pets(app):
     return count
 
 
+# A creation that takes its id, then waits before it commits: the trigger stalls the insert of an
+# animal named "Slowpoke" (PostgreSQL sleeps; SQLite, which cannot sleep, counts to six million).
+SLOW_INSERT = {
+    "postgresql": [
+        """CREATE FUNCTION slow_insert() RETURNS trigger AS $$
+           BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$ LANGUAGE plpgsql""",
+        """CREATE TRIGGER slow_insert AFTER INSERT ON pets FOR EACH ROW
+           WHEN (NEW.name = 'Slowpoke') EXECUTE FUNCTION slow_insert()""",
+    ],
+    "sqlite": [
+        """CREATE TRIGGER slow_insert AFTER INSERT ON pets WHEN NEW.name = 'Slowpoke' BEGIN
+           SELECT count(*) FROM (WITH RECURSIVE n(i) AS
+               (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 6000000) SELECT i FROM n);
+           END""",
+    ],
+}
+SLOW_INSERT_CLEANUP = {
+    "postgresql": ["DROP TRIGGER slow_insert ON pets", "DROP FUNCTION slow_insert()"],
+    "sqlite": ["DROP TRIGGER slow_insert"],
+}
+
+
+@pytest.fixture
+def slow_insert(app):
+    """Creations of animals named "Slowpoke" take their id, then about 2 s before they commit."""
+    with app.app_context():
+        statements = SLOW_INSERT[db.engine.dialect.name]
+        with db.engine.begin() as connection:
+            for statement in statements:
+                connection.execute(sa.text(statement))
+    yield
+    with app.app_context(), db.engine.begin() as connection:
+        for statement in SLOW_INSERT_CLEANUP[db.engine.dialect.name]:
+            connection.execute(sa.text(statement))
+
+
 @pytest.fixture
 def redis_url():
     """The test Redis database, emptied; the test skips when no Redis answers."""
@@ -232,6 +268,34 @@ def start_gunicorn(database_url, tmp_path):
         server = Gunicorn(database_url, workers, env, tmp_path / f"gunicorn-{len(servers)}.log")
         servers.append(server)
         return server.wait_until_serving() if wait else server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (Debian: openssl)")
+    return make_certificate(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def start_nginx(tmp_path, certificate):
+    """Start nginx on the shipped config with the given upstream addresses; stopped afterwards.
+    Tests skip where nginx is not installed."""
+    if NGINX is None:
+        pytest.skip("nginx is not installed (Debian: nginx)")
+    servers = []
+
+    def start(upstreams, proxy_read_timeout=None):
+        server = Nginx(
+            tmp_path / f"nginx-{len(servers)}", upstreams, *certificate, proxy_read_timeout
+        )
+        servers.append(server)
+        return server.wait_until_serving()
 
     yield start
     for server in servers:

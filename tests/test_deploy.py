@@ -17,20 +17,12 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import TEST_DATABASE_URL
-from nginx_server import NGINX, Nginx, make_certificate
+from nginx_server import NGINX
 from requests.structures import CaseInsensitiveDict
 
 from animal_store import default_settings, errors
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
-
-
-@pytest.fixture(scope="session")
-def certificate(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (Debian: openssl)")
-    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
@@ -41,23 +33,6 @@ def start_gunicorn(start_gunicorn):
         return start_gunicorn(workers, {"ANIMAL_STORE_ENV": "production", **(env or {})}, wait)
 
     return start
-
-
-@pytest.fixture
-def start_nginx(tmp_path, certificate):
-    """Start nginx on the shipped config with the given upstream addresses; stopped afterwards."""
-    servers = []
-
-    def start(upstreams, proxy_read_timeout=None):
-        server = Nginx(
-            tmp_path / f"nginx-{len(servers)}", upstreams, *certificate, proxy_read_timeout
-        )
-        servers.append(server)
-        return server.wait_until_serving()
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture

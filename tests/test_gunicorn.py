@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 from conftest import PROJECT_DIR
@@ -144,3 +145,30 @@ def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
         time.sleep(0.05)
     assert socket_path.is_socket()
     assert list(home.iterdir()) == []
+
+
+def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
+    start_gunicorn, api_key, slow_insert
+):
+    """Behind a creation that takes about 2 s, a read sent on a fresh connection is served by
+    the idle worker at once: it is answered before the slow one, every time. (A worker that
+    accepted connections while its one thread was busy made it wait in about half the tries.)"""
+    server = start_gunicorn(workers=2)
+    auth = {"Authorization": f"Bearer {api_key}"}
+
+    def finished(method, url, **kwargs):
+        response = requests.request(method, url, headers=auth, timeout=30, **kwargs)
+        assert response.ok, response.text
+        return time.monotonic()
+
+    for _ in range(4):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            slow = pool.submit(
+                finished,
+                "POST",
+                server.url + "/v1/pets",
+                json={"name": "Slowpoke", "categoryId": 1},
+            )
+            time.sleep(0.3)
+            quick = finished("GET", server.url + "/v1/pets?limit=1")
+            assert quick < slow.result()

@@ -236,41 +236,6 @@ def test_cursor_is_no_field_of_a_new_animal(client, auth, count_pets):
     assert count_pets() == 0
 
 
-# A creation that takes its id, then waits before it commits: the trigger stalls the insert of an
-# animal named "Slowpoke" (PostgreSQL sleeps; SQLite, which cannot sleep, counts to six million).
-SLOW_INSERT = {
-    "postgresql": [
-        """CREATE FUNCTION slow_insert() RETURNS trigger AS $$
-           BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$ LANGUAGE plpgsql""",
-        """CREATE TRIGGER slow_insert AFTER INSERT ON pets FOR EACH ROW
-           WHEN (NEW.name = 'Slowpoke') EXECUTE FUNCTION slow_insert()""",
-    ],
-    "sqlite": [
-        """CREATE TRIGGER slow_insert AFTER INSERT ON pets WHEN NEW.name = 'Slowpoke' BEGIN
-           SELECT count(*) FROM (WITH RECURSIVE n(i) AS
-               (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 6000000) SELECT i FROM n);
-           END""",
-    ],
-}
-SLOW_INSERT_CLEANUP = {
-    "postgresql": ["DROP TRIGGER slow_insert ON pets", "DROP FUNCTION slow_insert()"],
-    "sqlite": ["DROP TRIGGER slow_insert"],
-}
-
-
-@pytest.fixture
-def slow_insert(app):
-    with app.app_context():
-        statements = SLOW_INSERT[db.engine.dialect.name]
-        with db.engine.begin() as connection:
-            for statement in statements:
-                connection.execute(sa.text(statement))
-    yield
-    with app.app_context(), db.engine.begin() as connection:
-        for statement in SLOW_INSERT_CLEANUP[db.engine.dialect.name]:
-            connection.execute(sa.text(statement))
-
-
 def test_walk_sees_every_animal_acknowledged_before_its_last_page(
     app, make_pet, api_key, slow_insert, start_gunicorn
 ):
