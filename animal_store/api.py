@@ -114,6 +114,7 @@ ERROR_HEADERS = {header.name: header for header in (WWW_AUTHENTICATE, ALLOW, RET
 LAYER_ERRORS = (
     errors.UNAUTHORIZED,
     errors.INVALID_KEY,
+    errors.MISSING_SCOPE,
     errors.METHOD_NOT_ALLOWED,
     errors.TOO_MANY_REQUESTS,
     errors.INTERNAL_ERROR,
@@ -121,6 +122,10 @@ LAYER_ERRORS = (
 )
 # Answered by routing, before any view is chosen: the operation's own headers are not added.
 ROUTING_ERRORS = {405}
+# The scope an API key needs for an operation, by its method: reads need `read`, the rest
+# `write` (auth.SCOPES).
+SCOPE_OF_METHOD = {"GET": "read", "HEAD": "read"}
+WRITE_SCOPE = "write"
 
 
 class ArgumentsParser(FlaskParser):
@@ -311,7 +316,7 @@ class Policies:
             del response.headers["Content-Type"]  # no content, no type
             return response
         if request.endpoint in self.protected:
-            authenticate()
+            authenticate(SCOPE_OF_METHOD.get(request.method, WRITE_SCOPE))
         return None
 
     def add_headers(self, response):
@@ -410,6 +415,9 @@ def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
     public_view = doc_info.get("public", False)
     if public_view:
         doc["security"] = []
+    else:
+        # OpenAPI 3.1 lets a bearer scheme list the roles an operation needs: here its scope.
+        doc["security"] = [{"bearerAuth": [SCOPE_OF_METHOD.get(method.upper(), WRITE_SCOPE)]}]
     shared = [] if public_view else list(RATE_LIMIT_HEADERS)
     if setting := doc_info.get("deprecation"):
         shared = [*DEPRECATION_HEADERS, *shared]

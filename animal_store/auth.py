@@ -13,6 +13,8 @@ from animal_store import errors, store
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
+# What a key may do: `read` lists and gets animals, `write` creates them (api.SCOPE_OF_METHOD).
+SCOPES = ("read", "write")
 # A recognisable prefix lets people and secret scanners spot a leaked key.
 KEY_PREFIX = "ask_"
 VISIBLE_PREFIX_LENGTH = len(KEY_PREFIX) + 6
@@ -28,7 +30,12 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def issue_key(name: str, rate_limit: str | None = None) -> tuple[ApiKey, str]:
+def issue_key(
+    name: str,
+    rate_limit: str | None = None,
+    scopes: tuple[str, ...] = SCOPES,
+    expires_at: datetime | None = None,
+) -> tuple[ApiKey, str]:
     """Store a new key under this name and return it with the key, which is never stored."""
     key = new_key()
     api_key = ApiKey(
@@ -37,9 +44,24 @@ def issue_key(name: str, rate_limit: str | None = None) -> tuple[ApiKey, str]:
         key_hash=hash_key(key),
         created_at=datetime.now(UTC),
         rate_limit=rate_limit,
+        scopes=",".join(scopes),
+        expires_at=expires_at,
     )
     db.session.add(api_key)
     return api_key, key
+
+
+def rotate_key(api_key: ApiKey, grace: timedelta) -> str:
+    """Give the key a new secret and return it; the old one works until `grace` has passed.
+
+    Name, scopes, expiry and rate limit stay. A key rotated again within its grace drops the
+    older key at once: only the last replaced one is kept.
+    """
+    key = new_key()
+    api_key.previous_key_hash, api_key.previous_prefix = api_key.key_hash, api_key.prefix
+    api_key.previous_key_expires_at = datetime.now(UTC) + grace
+    api_key.key_hash, api_key.prefix = hash_key(key), key[:VISIBLE_PREFIX_LENGTH]
+    return key
 
 
 @dataclass
@@ -47,6 +69,8 @@ class CachedKey:
     id: int
     name: str
     rate_limit: str | None  # None: the service's RATE_LIMIT
+    scopes: frozenset[str]
+    expires_at: datetime | None  # this key's: a replaced key's grace ends it sooner
     last_used_at: datetime | None
 
 
@@ -93,8 +117,9 @@ def presented_key() -> str | None:
     return credentials.strip() or None
 
 
-def authenticate():
-    """Let the request through only with a valid, unrevoked key; runs before everything else."""
+def authenticate(scope: str):
+    """Let the request through only with a valid key, unrevoked, unexpired and with `scope`;
+    runs before everything else."""
     key = presented_key()
     if key is None:
         raise errors.UNAUTHORIZED(headers={"WWW-Authenticate": REALM})
@@ -109,21 +134,38 @@ def authenticate():
                 headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'}
             )
         cache.put(key_hash, entry)
+    now = datetime.now(UTC)
+    if entry.expires_at is not None and now >= entry.expires_at:
+        # Cached or not, an expired key is refused from the moment it expires.
+        raise errors.INVALID_KEY(headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
     g.api_key_name = entry.name
     g.api_key_prefix = key[:VISIBLE_PREFIX_LENGTH]  # for the logs, which never see the key
     g.api_key_id = entry.id  # Idempotency-Keys are scoped to the API key
     g.api_key_rate_limit = entry.rate_limit
-    record_use(entry)
+    record_use(entry, now)
+    if scope not in entry.scopes:
+        raise errors.MISSING_SCOPE(method=request.method, path=request.path, scope=scope)
 
 
 def look_up_key(key_hash: bytes) -> CachedKey | None:
     row = store.find_key(key_hash)
-    return None if row is None else CachedKey(**row)
+    if row is None:
+        return None
+    expiries = [row["expires_at"]]
+    if not row["current"]:  # the key a rotation replaced, in its grace
+        expiries.append(row["previous_key_expires_at"])
+    return CachedKey(
+        id=row["id"],
+        name=row["name"],
+        rate_limit=row["rate_limit"],
+        scopes=frozenset(row["scopes"].split(",")),
+        expires_at=min((moment for moment in expiries if moment is not None), default=None),
+        last_used_at=row["last_used_at"],
+    )
 
 
-def record_use(entry: CachedKey) -> None:
+def record_use(entry: CachedKey, now: datetime) -> None:
     """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds."""
-    now = datetime.now(UTC)
     resolution = timedelta(seconds=current_app.config["KEY_LAST_USED_RESOLUTION"])
     if entry.last_used_at is not None and now - entry.last_used_at < resolution:
         return

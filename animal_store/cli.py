@@ -1,8 +1,9 @@
 """The command line, all registered here: `flask keys ...` for API keys, `flask quickstart` for a
 first run, and the commands of the other modules."""
 
+import re
 import socket
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import click
 from flask import current_app
@@ -12,16 +13,18 @@ from sqlalchemy.exc import IntegrityError
 from werkzeug.serving import run_simple
 
 from animal_store import errors, rate_limits
-from animal_store.auth import issue_key
+from animal_store.auth import SCOPES, issue_key, rotate_key
 from animal_store.extensions import db
 from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
 from animal_store.seed import seed_command
 
-keys_cli = AppGroup("keys", help="Create, list, limit and revoke API keys.")
+keys_cli = AppGroup("keys", help="Create, list, limit, rotate and revoke API keys.")
 # What `keys set-limit` takes to give a key the service's RATE_LIMIT again.
 DEFAULT_LIMIT = "default"
+DURATION = re.compile(r"(\d+)([smhd])")
+DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
 def rate_limit_option(context, parameter, value):
@@ -33,18 +36,68 @@ def rate_limit_option(context, parameter, value):
         raise click.BadParameter(str(error), context, parameter) from None
 
 
+def scopes_option(context, parameter, value):
+    scopes = tuple(dict.fromkeys(scope.strip() for scope in value.split(",")))
+    if not scopes or not set(scopes) <= set(SCOPES):
+        raise click.BadParameter(
+            f"{value!r}: give one or both of {', '.join(SCOPES)}, comma-separated",
+            context,
+            parameter,
+        )
+    return scopes
+
+
+def expires_option(context, parameter, value):
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise click.BadParameter(
+            f"{value!r}: give a date and time with its offset, such as 2027-06-30T00:00:00Z",
+            context,
+            parameter,
+        )
+    if moment <= datetime.now(UTC):
+        raise click.BadParameter(f"{value!r} is already past", context, parameter)
+    return moment.astimezone(UTC)
+
+
+def grace_option(context, parameter, value):
+    match = DURATION.fullmatch(value.strip())
+    if match is None:
+        raise click.BadParameter(
+            f"{value!r}: give a number and a unit, s, m, h or d, such as 24h", context, parameter
+        )
+    return timedelta(**{DURATION_UNITS[match[2]]: int(match[1])})
+
+
 @keys_cli.command("create")
 @click.argument("name")
+@click.option(
+    "--scopes",
+    default=",".join(SCOPES),
+    show_default=True,
+    callback=scopes_option,
+    help="What the key may do: read (list and get animals), write (create them).",
+)
+@click.option(
+    "--expires",
+    callback=expires_option,
+    help="When the key stops working, such as 2027-06-30T00:00:00Z; without it, never.",
+)
 @click.option(
     "--rate-limit",
     callback=rate_limit_option,
     help="Requests this key may make, such as '100/second'; without it, RATE_LIMIT.",
 )
-def create_key(name, rate_limit):
+def create_key(name, scopes, expires, rate_limit):
     """Create an API key called NAME and print it; it is shown only this once."""
     if not 1 <= len(name) <= 100:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
-    api_key, key = issue_key(name, rate_limit)
+    api_key, key = issue_key(name, rate_limit, scopes, expires)
     try:
         db.session.commit()
     except IntegrityError:
@@ -55,19 +108,22 @@ def create_key(name, rate_limit):
 
 @keys_cli.command("list")
 def list_keys():
-    """Show every key's name, visible prefix, rate limit, times and whether it is revoked, never
+    """Show every key's name, visible prefix, scopes, expiry, rate limit, times and state, never
     the key."""
-    rows = [("NAME", "PREFIX", "RATE LIMIT", "CREATED", "LAST USED", "REVOKED")]
+    rows = [("NAME", "PREFIX", "SCOPES", "EXPIRES", "RATE LIMIT", "CREATED", "LAST USED", "STATE")]
     default_limit = f"{current_app.config['RATE_LIMIT']} (default)"
+    now = datetime.now(UTC)
     for api_key in db.session.scalars(db.select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)):
         rows.append(
             (
                 api_key.name,
                 api_key.prefix + "...",
+                api_key.scopes,
+                format_time(api_key.expires_at) if api_key.expires_at else "never",
                 api_key.rate_limit or default_limit,
                 format_time(api_key.created_at),
                 format_time(api_key.last_used_at),
-                format_time(api_key.revoked_at) if api_key.revoked_at else "no",
+                key_state(api_key, now),
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
@@ -88,6 +144,31 @@ def set_key_limit(name, limit):
     db.session.commit()
     said = limit or f"{current_app.config['RATE_LIMIT']} (default)"
     click.echo(f"API key {name!r} may now make {said} requests.")
+
+
+@keys_cli.command("rotate")
+@click.argument("name")
+@click.option(
+    "--grace",
+    default="24h",
+    show_default=True,
+    callback=grace_option,
+    help="How long the old key keeps working: 30m, 24h, 7d; 0s ends it now.",
+)
+def rotate(name, grace):
+    """Print a new key for the key called NAME, with its scopes, expiry and rate limit; the old
+    key works until the grace ends (within KEY_CACHE_SECONDS in every worker)."""
+    api_key = find_named_key(name)
+    if api_key.revoked_at is not None:
+        raise click.ClickException(f"The key {name!r} is revoked: create a new one.")
+    key = rotate_key(api_key, grace)
+    db.session.commit()
+    click.echo(
+        f"Rotated API key {name!r}: {api_key.prefix}... replaces {api_key.previous_prefix}..., "
+        f"which works until {format_time(api_key.previous_key_expires_at)}. "
+        "Store the new key now: it is shown once."
+    )
+    click.echo(key)
 
 
 @keys_cli.command("revoke")
@@ -170,6 +251,19 @@ def find_named_key(name: str) -> ApiKey:
     if api_key is None:
         raise click.ClickException(f"No key named {name!r}.")
     return api_key
+
+
+def key_state(api_key: ApiKey, now: datetime) -> str:
+    if api_key.revoked_at is not None:
+        return f"revoked {format_time(api_key.revoked_at)}"
+    if api_key.expires_at is not None and api_key.expires_at <= now:
+        return "expired"
+    if api_key.previous_key_expires_at is not None and api_key.previous_key_expires_at > now:
+        return (
+            f"active; old key {api_key.previous_prefix}... "
+            f"until {format_time(api_key.previous_key_expires_at)}"
+        )
+    return "active"
 
 
 def format_time(moment: datetime | None) -> str:

@@ -88,12 +88,18 @@ UNAUTHORIZED = ErrorKind(
 INVALID_KEY = ErrorKind(
     401,
     "unauthorized",
-    "The API key is not valid or has been revoked.",
-    "The API key is wrong or revoked.",
+    "The API key is not valid, has expired or has been revoked.",
+    "The API key is wrong, expired or revoked.",
     ("WWW-Authenticate",),
 )
 FORBIDDEN = ErrorKind(
     403, "forbidden", "The request is forbidden.", "Refused by the server before the app runs."
+)
+MISSING_SCOPE = ErrorKind(
+    403,
+    "forbidden",
+    "This API key may not {method} {path}: it lacks the '{scope}' scope.",
+    "The API key lacks the scope the operation needs (`read` or `write`).",
 )
 NOT_FOUND = ErrorKind(404, "not_found", "No resource at {path}.", "No route has this path.")
 PET_NOT_FOUND = ErrorKind(404, "not_found", "No animal with id {pet_id}.", "No animal has this id.")

@@ -68,6 +68,15 @@ class ApiKey(db.Model):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Requests this key may make, in Flask-Limiter's notation ("100/second"); NULL: RATE_LIMIT.
     rate_limit: Mapped[str | None] = mapped_column(String(100))
+    # What the key may do: "read" (listPets, getPet), "write" (createPet), comma-separated.
+    scopes: Mapped[str] = mapped_column(String(50), server_default="read,write")
+    # From then on the key is refused like a revoked one; NULL: never.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The key this one replaced (`keys rotate`): it works, with the same name, scopes and limit,
+    # until previous_key_expires_at.
+    previous_key_hash: Mapped[bytes | None] = mapped_column(LargeBinary(32), unique=True)
+    previous_prefix: Mapped[str | None] = mapped_column(String(16))
+    previous_key_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class IdempotencyRecord(db.Model):

@@ -119,8 +119,19 @@ def test_new_resource_is_documented_with_what_the_layer_gives(client):
     operation = document["paths"]["/orders/{orderId}"]["get"]
     assert operation["operationId"] == "getOrder"
     assert operation["tags"] == ["orders"]
-    assert set(operation["responses"]) == {"200", "400", "401", "404", "405", "429", "500", "503"}
+    assert set(operation["responses"]) == {
+        "200",
+        "400",
+        "401",
+        "403",
+        "404",
+        "405",
+        "429",
+        "500",
+        "503",
+    }
     assert "WWW-Authenticate" in operation["responses"]["401"]["headers"]
+    assert operation["security"] == [{"bearerAuth": ["read"]}]  # a GET needs the read scope
     assert "RateLimit-Remaining" in operation["responses"]["200"]["headers"]
     assert "Retry-After" in operation["responses"]["429"]["headers"]
     open_to_anyone = document["paths"]["/orders/opening-hours"]["get"]

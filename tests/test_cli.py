@@ -30,7 +30,8 @@ def test_keys_create_refuses_bad_names(runner, name):
 
 def test_keys_list_shows_metadata_never_the_key(client, runner):
     key = runner.invoke(args=["keys", "create", "alpha"]).output.strip().splitlines()[-1]
-    runner.invoke(args=["keys", "create", "beta", "--rate-limit", "100/second"])
+    beta = ["keys", "create", "beta", "--rate-limit", "100/second", "--scopes", "read"]
+    runner.invoke(args=[*beta, "--expires", "2099-06-30T00:00:00Z"])
     client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"})
     runner.invoke(args=["keys", "revoke", "beta"])
     result = runner.invoke(args=["keys", "list"])
@@ -41,23 +42,24 @@ def test_keys_list_shows_metadata_never_the_key(client, runner):
     assert header.split() == [
         "NAME",
         "PREFIX",
+        "SCOPES",
+        "EXPIRES",
         "RATE",
         "LIMIT",
         "CREATED",
         "LAST",
         "USED",
-        "REVOKED",
+        "STATE",
     ]
     today = datetime.now(UTC).strftime("%Y-%m-%d")
-    assert alpha.startswith("alpha")
-    assert key[:10] + "..." in alpha
+    assert alpha.split()[:4] == ["alpha", key[:10] + "...", "read,write", "never"]
     assert "6000 per minute (default)" in alpha
+    assert alpha.count(today) == 2  # created and last used
+    assert alpha.endswith("active")
+    assert beta.split()[2:4] == ["read", "2099-06-30"]
     assert "100/second" in beta
-    assert alpha.count(today) == 2
-    assert alpha.endswith("no")
-    assert beta.startswith("beta")
-    assert "never" in beta
-    assert not beta.endswith("no")
+    assert "never" in beta  # never used
+    assert f"revoked {today}" in beta
 
 
 def test_keys_revoke_unknown_or_twice_fails(runner):

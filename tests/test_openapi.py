@@ -124,20 +124,29 @@ def test_every_operation_needs_a_bearer_key(document):
     }
     assert document["security"] == [{"bearerAuth": []}]
     for operation in all_operations(document):
-        assert "security" not in operation  # so the document-wide requirement applies
         assert "WWW-Authenticate" in operation["responses"]["401"]["headers"]
+        assert "`forbidden`" in operation["responses"]["403"]["description"]
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "scope"),
+    [("/pets", "get", "read"), ("/pets", "post", "write"), ("/pets/{petId}", "get", "read")],
+)
+def test_each_operation_names_the_scope_it_needs(document, path, method, scope):
+    # OpenAPI 3.1: a bearer scheme's requirement may list roles; here the key's scope.
+    assert document["paths"][path][method]["security"] == [{"bearerAuth": [scope]}]
 
 
 @pytest.mark.parametrize(
     ("path", "method", "statuses"),
     [
-        ("/pets", "get", {"200", "304", "400", "401", "405", "429", "500", "503"}),
+        ("/pets", "get", {"200", "304", "400", "401", "403", "405", "429", "500", "503"}),
         (
             "/pets",
             "post",
-            {"201", "400", "401", "405", "409", "413", "415", "422", "429", "500", "503"},
+            {"201", "400", "401", "403", "405", "409", "413", "415", "422", "429", "500", "503"},
         ),
-        ("/pets/{petId}", "get", {"200", "304", "401", "404", "405", "429", "500", "503"}),
+        ("/pets/{petId}", "get", {"200", "304", "401", "403", "404", "405", "429", "500", "503"}),
     ],
 )
 def test_every_response_the_operation_gives_is_documented(document, path, method, statuses):
