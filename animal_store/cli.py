@@ -14,6 +14,7 @@ from werkzeug.serving import run_simple
 
 from animal_store import errors, rate_limits
 from animal_store.auth import SCOPES, issue_key, rotate_key
+from animal_store.backup import backup_command, restore_command
 from animal_store.extensions import db
 from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
@@ -274,6 +275,8 @@ def register_commands(app):
     app.cli.add_command(keys_cli)
     app.cli.add_command(quickstart)
     app.cli.add_command(seed_command)
+    app.cli.add_command(backup_command)
+    app.cli.add_command(restore_command)
     app.cli.add_command(idempotency_cli)
     app.cli.add_command(errors_cli)
     # Over flask-smorest's `openapi` group: `flask openapi` prints the served document.
