@@ -10,6 +10,7 @@ from animal_store.cli import register_commands
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.json_provider import OrjsonProvider
 from animal_store.logs import configure_logging
+from animal_store.metrics import init_metrics
 from animal_store.proxies import trust_proxies
 from animal_store.request_id import init_request_ids
 from animal_store.settings import load_settings
@@ -35,4 +36,6 @@ def create_app(test_config=None, resources=RESOURCES):
     app.register_blueprint(health.bp)
     register_commands(app)
     trust_proxies(app)
+    # Last: it labels requests by every route registered above.
+    init_metrics(app)
     return app

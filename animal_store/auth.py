@@ -122,6 +122,7 @@ def authenticate(scope: str):
     runs before everything else."""
     key = presented_key()
     if key is None:
+        g.auth_failure = "missing"  # for the metrics (metrics.py)
         raise errors.UNAUTHORIZED(headers={"WWW-Authenticate": REALM})
     key_hash = hash_key(key)
     cache = key_cache()
@@ -130,6 +131,7 @@ def authenticate(scope: str):
         entry = look_up_key(key_hash)
         if entry is None:
             # Unknown and revoked keys are never cached: each such request asks the database.
+            g.auth_failure = "invalid"
             raise errors.INVALID_KEY(
                 headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'}
             )
@@ -137,6 +139,7 @@ def authenticate(scope: str):
     now = datetime.now(UTC)
     if entry.expires_at is not None and now >= entry.expires_at:
         # Cached or not, an expired key is refused from the moment it expires.
+        g.auth_failure = "expired"
         raise errors.INVALID_KEY(headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
     g.api_key_name = entry.name
     g.api_key_prefix = key[:VISIBLE_PREFIX_LENGTH]  # for the logs, which never see the key
@@ -144,6 +147,7 @@ def authenticate(scope: str):
     g.api_key_rate_limit = entry.rate_limit
     record_use(entry, now)
     if scope not in entry.scopes:
+        g.auth_failure = "scope"
         raise errors.MISSING_SCOPE(method=request.method, path=request.path, scope=scope)
 
 

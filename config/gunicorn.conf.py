@@ -2,6 +2,8 @@
 Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 
 import os
+import tempfile
+from pathlib import Path
 
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
 # One process per core, sync workers: chosen by measurement through the shipped nginx
@@ -31,6 +33,27 @@ forwarded_allow_ips = ""
 # service user's home in docs/deploy.rst), and every instance on a machine would share it.
 control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET", "")
 control_socket_disable = not control_socket
+
+# Prometheus metrics summed over the workers (animal_store/metrics.py, prometheus_client's
+# multiprocess mode): each worker writes its figures to files in this directory, which must be
+# set before any worker imports prometheus_client. A directory of this instance's own (systemd's
+# RuntimeDirectory in docs/deploy.rst), emptied at start; a fresh temporary one by default.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="animal-store-metrics-")
+
+
+def on_starting(server):
+    # Figures a previous run left would be added to this one's.
+    for leftover in Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).glob("*.db"):
+        leftover.unlink()
+
+
+def child_exit(server, worker):
+    # A dead worker's gauges (requests in progress, pool) stop counting; its counters stay.
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
 
 # gunicorn's own access log is off: the app writes one JSON line per request to stdout
 # (animal_store/logs.py) with the request ID and key name, which gunicorn's line cannot carry.

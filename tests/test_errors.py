@@ -8,7 +8,13 @@ import pytest
 import sqlalchemy as sa
 from conftest import PROJECT_DIR
 
-from animal_store.errors import CATALOGUE, KIND_OF_STATUS, NGINX_ANSWERS
+from animal_store.errors import (
+    CATALOGUE,
+    KIND_OF_STATUS,
+    NGINX_ANSWERS,
+    NOT_FOUND,
+    error_body,
+)
 from animal_store.extensions import db
 from animal_store.models import Pet
 
@@ -109,10 +115,13 @@ def test_every_nginx_error_body_comes_from_the_catalogue():
     answered = re.findall(
         r"return (\d{3}) '(\{.*\})';", (PROJECT_DIR / "config/nginx.conf").read_text()
     )
-    assert {int(status) for status, _ in answered} == set(NGINX_ANSWERS)
+    # Its own refusals, and the 404 that hides /metrics from the internet.
+    assert {int(status) for status, _ in answered} == {*NGINX_ANSWERS, 404}
     for status, body in answered:
         kind = KIND_OF_STATUS[int(status)]
         assert json.loads(body)["code"] == kind.code
+        if kind is NOT_FOUND:
+            assert json.loads(body) == error_body(kind, kind.message.format(path="/metrics"))
 
 
 def test_catalogue_codes_keep_one_status_each():

@@ -1,0 +1,132 @@
+"""Prometheus metrics at /metrics: under gunicorn the figures are the sum over its workers, and a
+scrape after a known set of requests counts exactly those; no label holds a key, a query or an
+address; nginx hides /metrics from the internet."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(url) -> dict:
+    """{(name, labels as a sorted tuple): value} of one scrape."""
+    response = requests.get(url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples, response.text
+
+
+def count(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))), 0)
+
+
+def test_a_scrape_counts_exactly_what_two_workers_answered(
+    app, runner, api_key, make_pet, redis_url, start_gunicorn
+):
+    pet_id = make_pet()
+    limited = runner.invoke(args=["keys", "create", "limited", "--rate-limit", "2/hour"])
+    limited_key = limited.output.split()[-1]
+    reader = runner.invoke(args=["keys", "create", "reader", "--scopes", "read"]).output.split()[-1]
+    # Rate limits counted in Redis, so the limited key's third request is refused by either worker.
+    server = start_gunicorn(workers=2, env={"ANIMAL_STORE_RATELIMIT_STORAGE_URI": redis_url})
+    url, auth = server.url, {"Authorization": f"Bearer {api_key}"}
+
+    def send(method, path, headers=auth, **kwargs):
+        # A new connection each time (sync workers close them), so both workers answer some.
+        return requests.request(method, url + path, headers=headers, timeout=10, **kwargs)
+
+    sent = {}
+    for _ in range(5):
+        sent.setdefault(("listPets", "200"), []).append(send("GET", "/v1/pets?limit=3"))
+    for n in range(3):
+        body = {"name": f"Rex {n}", "categoryId": n}
+        sent.setdefault(("createPet", "201"), []).append(send("POST", "/v1/pets", json=body))
+    replay = {**auth, "Idempotency-Key": "metrics-1"}
+    for _ in range(2):  # the second is a replay, a 201 too
+        sent[("createPet", "201")].append(
+            send("POST", "/v1/pets", replay, json={"name": "Kitty", "categoryId": 9})
+        )
+    for _ in range(4):
+        sent.setdefault(("getPet", "200"), []).append(send("GET", f"/v1/pets/{pet_id}"))
+    sent[("getPet", "404")] = [send("GET", "/v1/pets/999999") for _ in range(2)]
+    sent[("listPets", "401")] = [
+        send("GET", "/v1/pets", {}),
+        send("GET", "/v1/pets", {}),
+        send("GET", "/v1/pets", {"Authorization": "Bearer ask_wrong"}),
+    ]
+    sent[("createPet", "403")] = [send("POST", "/v1/pets", {"Authorization": f"Bearer {reader}"})]
+    sent[("listPets", "429")] = []
+    for _ in range(3):
+        response = send("GET", "/v1/pets", {"Authorization": f"Bearer {limited_key}"})
+        sent.setdefault(("listPets", str(response.status_code)), []).append(response)
+    sent[("unmatched", "404")] = [send("GET", "/v1/nowhere?secret=1")]
+    sent[("preflight", "204")] = [send("OPTIONS", "/v1/pets", {})]
+    for (_, status), responses in sent.items():
+        assert [r.status_code for r in responses] == [int(status)] * len(responses)
+
+    samples, text = scrape(url)
+    for (operation, status), responses in sent.items():
+        assert count(
+            samples, "animal_store_requests_total", operation=operation, status=status
+        ) == len(responses), (operation, status)
+    assert count(samples, "animal_store_rate_limited_total") == 1
+    assert count(samples, "animal_store_idempotent_replays_total") == 1
+    assert count(samples, "animal_store_auth_failures_total", reason="missing") == 2
+    assert count(samples, "animal_store_auth_failures_total", reason="invalid") == 1
+    assert count(samples, "animal_store_auth_failures_total", reason="scope") == 1
+    list_200 = count(
+        samples,
+        "animal_store_request_duration_seconds_count",
+        operation="listPets",
+        status_class="2xx",
+    )
+    assert list_200 == 5 + 2  # the limited key's two answered lists
+    assert count(samples, "animal_store_requests_in_progress") == 1  # the scrape itself
+    assert count(samples, "animal_store_processes") == 3  # the master and two workers
+    assert count(samples, "process_resident_memory_bytes") > 0
+    # The scrape is counted by the next one.
+    again, _ = scrape(url)
+    assert count(again, "animal_store_requests_total", operation="metrics", status="200") == 1
+
+    # No label holds a key, its prefix, a query string or an address.
+    labels = " ".join(re.findall(r"\{[^}]*\}", text))
+    for secret in (api_key, api_key[:10], limited_key[:10], "secret=1", "127.0.0.1", "nowhere"):
+        assert secret not in labels
+
+
+def test_counters_survive_a_worker_being_replaced(api_key, start_gunicorn):
+    server = start_gunicorn(workers=1)
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for _ in range(3):
+        requests.get(server.url + "/v1/pets", headers=auth, timeout=10)
+    before, _ = scrape(server.url)
+    assert count(before, "animal_store_processes") == 2
+    (worker_pid,) = re.findall(r"Worker ready \(pid: (\d+)\)", server.log())
+    os.kill(int(worker_pid), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while server.log().count("Worker ready") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after, _ = scrape(server.url)
+    assert count(after, "animal_store_requests_total", operation="listPets", status="200") == 3
+    assert count(after, "animal_store_requests_in_progress") == 1  # the dead worker's is gone
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/metrics?x=1"])
+def test_nginx_hides_metrics_from_the_internet(start_gunicorn, start_nginx, certificate, path):
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([gunicorn.url.removeprefix("http://")])
+    response = requests.get(nginx.url + path, verify=str(certificate[0]), timeout=10)
+    assert response.status_code == 404
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    # The very object the app answers for a path it does not have.
+    app_answer = requests.get(gunicorn.url + "/metrics-nowhere", timeout=10).json()
+    assert response.json() == {**app_answer, "message": "No resource at /metrics."}
