@@ -23,6 +23,11 @@ DATABASE_CONNECT_TIMEOUT = 3
 DATABASE_STATEMENT_TIMEOUT = 10
 # ... and seconds a request waits for a free pooled connection.
 DATABASE_POOL_TIMEOUT = 5
+# PostgreSQL through PgBouncer in transaction pooling (config/pgbouncer.ini): no server-side
+# prepared statements (psycopg makes them for a query run five times on one connection, and the
+# next transaction may be on another server connection), and no statement timeout sent at
+# connect, which PgBouncer cannot pass on: set it on the role (docs/deploy.rst).
+DATABASE_BEHIND_PGBOUNCER = False
 
 # getPet is deprecated since v1.0.0 shipped and is removed on the contract's sunset date;
 # listPets with the status filter replaces it. Drives the Deprecation, Sunset and Link headers.

@@ -73,7 +73,10 @@ def engine_options(app) -> dict:
     options.setdefault("pool_timeout", app.config["DATABASE_POOL_TIMEOUT"])
     connect_args = dict(options.get("connect_args", {}))
     connect_args.setdefault("connect_timeout", app.config["DATABASE_CONNECT_TIMEOUT"])
-    statement_timeout_ms = int(app.config["DATABASE_STATEMENT_TIMEOUT"] * 1000)
-    connect_args.setdefault("options", f"-c statement_timeout={statement_timeout_ms}")
+    if app.config["DATABASE_BEHIND_PGBOUNCER"]:
+        connect_args.setdefault("prepare_threshold", None)
+    else:
+        statement_timeout_ms = int(app.config["DATABASE_STATEMENT_TIMEOUT"] * 1000)
+        connect_args.setdefault("options", f"-c statement_timeout={statement_timeout_ms}")
     options["connect_args"] = connect_args
     return options

@@ -85,11 +85,12 @@ http {{
 """
 
 
-def substitute(pattern, replacement, text, count):
+def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
     """Replace a setting of the shipped file, failing loudly if the file no longer has it."""
     result, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
     if found != count:
-        raise AssertionError(f"config/nginx.conf: {pattern!r} found {found} times, not {count}")
+        name = source.relative_to(PROJECT_DIR)
+        raise AssertionError(f"{name}: {pattern!r} found {found} times, not {count}")
     return result
 
 

@@ -14,13 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 import requests
+import sqlalchemy as sa
 from conftest import TEST_DATABASE_URL
 from nginx_server import NGINX
+from pgbouncer_server import PGBOUNCER, PgBouncer
+from psycopg.rows import dict_row
 from requests.structures import CaseInsensitiveDict
 
 from animal_store import default_settings, errors
+from animal_store.extensions import db
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
 
@@ -375,11 +380,9 @@ def test_sigterm_during_writes_loses_nothing_acknowledged(
 @pytest.mark.skipif(
     not TEST_DATABASE_URL, reason="scale-out needs PostgreSQL (SQLite serves one machine only)"
 )
-def test_two_instances_on_one_postgresql_lose_and_duplicate_nothing(
-    start_gunicorn, start_nginx, session, auth, count_pets
-):
-    instances = [start_gunicorn(workers=1), start_gunicorn(workers=1)]
-    nginx = start_nginx([address(instance) for instance in instances])
+def create_and_read_concurrently(instances, nginx, session, auth, count_pets):
+    """200 creations and 100 reads at once through nginx: every creation stored once, every
+    instance serving, nothing lost in a walk."""
 
     def create(n):
         response = session.post(
@@ -412,6 +415,14 @@ def test_two_instances_on_one_postgresql_lose_and_duplicate_nothing(
     assert all(count > 0 for count in served), served
     assert sum(served) == 200 + 100 + pages
 
+
+def test_two_instances_on_one_postgresql_lose_and_duplicate_nothing(
+    start_gunicorn, start_nginx, session, auth, count_pets
+):
+    instances = [start_gunicorn(workers=1), start_gunicorn(workers=1)]
+    nginx = start_nginx([address(instance) for instance in instances])
+    create_and_read_concurrently(instances, nginx, session, auth, count_pets)
+
     # An Idempotency-Key is honoured whichever instance the retry reaches: the record is shared.
     retry = {**auth, "Idempotency-Key": "scale-out-1"}
     first = session.post(
@@ -434,3 +445,73 @@ def test_two_instances_on_one_postgresql_lose_and_duplicate_nothing(
     ]
     assert sorted(answered_by) == [0, 1]
     assert count_pets() == 201
+
+
+# A role whose PostgreSQL connections are capped below what the fleet's workers hold.
+POOLED_ROLE, ROLE_CONNECTION_LIMIT, PGBOUNCER_POOL_SIZE = "animal_store_pooled", 4, 3
+
+
+@pytest.fixture
+def pooled_role(app):
+    """The test database's role for PgBouncer: at most ROLE_CONNECTION_LIMIT connections, the
+    statement timeout set on it (PgBouncer passes no `options`), rights on the tables."""
+    with app.app_context(), db.engine.begin() as connection:
+        exists = connection.scalar(
+            sa.text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": POOLED_ROLE}
+        )
+        if not exists:
+            connection.execute(sa.text(f"CREATE ROLE {POOLED_ROLE} LOGIN"))
+        connection.execute(
+            sa.text(f"ALTER ROLE {POOLED_ROLE} CONNECTION LIMIT {ROLE_CONNECTION_LIMIT}")
+        )
+        connection.execute(sa.text(f"ALTER ROLE {POOLED_ROLE} SET statement_timeout = '10s'"))
+        for grant in (
+            "ALL ON SCHEMA public",
+            "ALL ON ALL TABLES IN SCHEMA public",
+            "ALL ON ALL SEQUENCES IN SCHEMA public",
+        ):
+            connection.execute(sa.text(f"GRANT {grant} TO {POOLED_ROLE}"))
+    return POOLED_ROLE
+
+
+@pytest.fixture
+def pgbouncer(pooled_role):
+    if PGBOUNCER is None:
+        pytest.skip("PgBouncer is not installed (Debian: pgbouncer)")
+    server = PgBouncer(sa.engine.make_url(TEST_DATABASE_URL), pooled_role, PGBOUNCER_POOL_SIZE)
+    yield server.wait_until_serving()
+    server.stop()
+
+
+def pgbouncer_show(pgbouncer, what) -> list:
+    """SHOW CLIENTS or SHOW SERVERS on PgBouncer's admin console, rows of the test database."""
+    url = pgbouncer.url.set(database="pgbouncer", drivername="postgresql").render_as_string()
+    with psycopg.connect(
+        url, autocommit=True, prepare_threshold=None, row_factory=dict_row
+    ) as admin:
+        return [row for row in admin.execute(f"SHOW {what}") if row["database"] == "test"]
+
+
+@pytest.mark.skipif(
+    not TEST_DATABASE_URL, reason="scale-out needs PostgreSQL (SQLite serves one machine only)"
+)
+def test_instances_behind_pgbouncer_hold_more_connections_than_postgresql_allows(
+    start_gunicorn, start_nginx, session, auth, count_pets, pgbouncer
+):
+    """Three instances of two workers through PgBouncer in transaction pooling: their client
+    connections outnumber the role's PostgreSQL connections, and nothing is lost, duplicated or
+    refused."""
+    env = {
+        "DATABASE_URL": pgbouncer.url.render_as_string(hide_password=False),
+        "ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true",
+    }
+    instances = [start_gunicorn(workers=2, env=env) for _ in range(3)]
+    nginx = start_nginx([address(instance) for instance in instances])
+    create_and_read_concurrently(instances, nginx, session, auth, count_pets)
+
+    clients, servers = pgbouncer_show(pgbouncer, "CLIENTS"), pgbouncer_show(pgbouncer, "SERVERS")
+    assert len(clients) > ROLE_CONNECTION_LIMIT  # more than PostgreSQL would let the role open
+    assert len(servers) <= PGBOUNCER_POOL_SIZE
+    for instance in instances:
+        assert "too many connections" not in instance.log()
+        assert "prepared statement" not in instance.log()

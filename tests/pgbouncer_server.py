@@ -1,0 +1,102 @@
+"""A real PgBouncer running the shipped config/pgbouncer.ini, rendered with a test's port, paths
+and database; in front of the test PostgreSQL, for a role whose server connections are capped."""
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from nginx_server import PROJECT_DIR, free_port, stop_process, substitute
+
+PGBOUNCER = shutil.which("pgbouncer") or (
+    "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
+)
+SHIPPED_CONFIG = PROJECT_DIR / "config" / "pgbouncer.ini"
+
+
+class PgBouncer:
+    """PgBouncer in the foreground on a loopback port, stopped by PID.
+
+    Its files live in a directory of their own that any user may read: started as root, PgBouncer
+    must switch to another user (`user`), who then has to reach them.
+    """
+
+    def __init__(self, server_url, role, pool_size):
+        self.directory = Path(tempfile.mkdtemp(prefix="animal-pgbouncer-"))
+        self.directory.chmod(0o777)
+        self.port = free_port()
+        database = (
+            f"test = host={server_url.host} port={server_url.port} "
+            f"dbname={server_url.database} user={role}"
+        )
+        config = SHIPPED_CONFIG.read_text()
+        config = substitute(r"^store = .*$", database, config, 1, SHIPPED_CONFIG)
+        config = substitute(
+            r"^listen_port = .*$", f"listen_port = {self.port}", config, 1, SHIPPED_CONFIG
+        )
+        config = substitute(r"^auth_type = .*$", "auth_type = trust", config, 1, SHIPPED_CONFIG)
+        config = substitute(
+            r"^auth_file = .*$",
+            f"auth_file = {self.directory}/users.txt",
+            config,
+            1,
+            SHIPPED_CONFIG,
+        )
+        config = substitute(
+            r"^logfile = .*$",
+            f"logfile = {self.directory}/pgbouncer.log",
+            config,
+            1,
+            SHIPPED_CONFIG,
+        )
+        config = substitute(
+            r"^pidfile = .*$",
+            f"pidfile = {self.directory}/pgbouncer.pid",
+            config,
+            1,
+            SHIPPED_CONFIG,
+        )
+        config = substitute(
+            r"^default_pool_size = .*$",
+            f"default_pool_size = {pool_size}",
+            config,
+            1,
+            SHIPPED_CONFIG,
+        )
+        # No Unix socket; the role may read SHOW CLIENTS and SHOW SERVERS (the test counts them).
+        config += f"unix_socket_dir =\nadmin_users = {role}\n"
+        if os.geteuid() == 0:
+            config += "user = postgres\n"
+        (self.directory / "users.txt").write_text(f'"{role}" ""\n')
+        (self.directory / "pgbouncer.ini").write_text(config)
+        for path in self.directory.iterdir():
+            path.chmod(0o644)
+        self.url = server_url.set(host="127.0.0.1", port=self.port, username=role, password=None)
+        self.process = subprocess.Popen(
+            [PGBOUNCER, str(self.directory / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_until_serving(self, timeout=10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited: {self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"pgbouncer did not listen within {timeout}s: {self.log()}")
+
+    def log(self):
+        path = self.directory / "pgbouncer.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self):
+        stop_process(self.process, timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
