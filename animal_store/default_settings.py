@@ -23,6 +23,9 @@ DATABASE_CONNECT_TIMEOUT = 3
 DATABASE_STATEMENT_TIMEOUT = 10
 # ... and seconds a request waits for a free pooled connection.
 DATABASE_POOL_TIMEOUT = 5
+# Bytes of answers each worker keeps to send again (animal_store/answers.py): an animal's, a full
+# page's; 0 keeps none.
+ANSWER_CACHE_BYTES = 8 * 1024 * 1024
 # PostgreSQL through PgBouncer in transaction pooling (config/pgbouncer.ini): no server-side
 # prepared statements (psycopg makes them for a query run five times on one connection, and the
 # next transaction may be on another server connection), and no statement timeout sent at

@@ -1,8 +1,10 @@
 """The animals resource: listPets, createPet and the deprecated getPet."""
 
+import orjson
 from flask import make_response, url_for
 
 from animal_store import errors, store
+from animal_store.answers import answers, json_response
 from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
 from animal_store.extensions import db
@@ -45,13 +47,20 @@ def list_pets(query):
     """List animals, a page at a time, in ascending id order; optionally those of one status."""
     limit, status = query["limit"], query.get("status")
     after = query["cursor"].last_id if "cursor" in query else 0
-    # One row past the page tells whether another page follows.
-    pets = store.pets_after(after, limit + 1, status)
-    headers = {}
-    if len(pets) > limit:
+    kept = answers().get(("page", after, limit, status))
+    if kept is None:
+        # One row past the page tells whether another page follows.
+        pets = store.pets_after(after, limit + 1, status)
+        if len(pets) <= limit:
+            return pets  # the end of the list, which grows: made afresh each time
         pets = pets[:limit]
-        headers["Link"] = next_page_link(pets[-1]["id"], limit, status)
-    return pets, headers
+        body = orjson.dumps(pets_schema.dump(pets))
+        kept = (body, pets[-1]["id"])
+        answers().put(("page", after, limit, status), *kept)
+    body, last_id = kept
+    response = json_response(body)
+    response.headers["Link"] = next_page_link(last_id, limit, status)
+    return response
 
 
 @bp.route("/pets", methods=["POST"])
@@ -83,10 +92,14 @@ def create_pet(pet):
 @bp.response(200, pet_schema, description="The animal.")
 def get_pet(pet_id):
     """Get an animal (deprecated: list animals with the status filter instead)."""
-    pet = store.find_pet(int(pet_id)) if is_pet_id(pet_id) else None
-    if pet is None:
-        raise errors.PET_NOT_FOUND(pet_id=pet_id)
-    return pet
+    kept = answers().get(("pet", pet_id))
+    if kept is None:
+        pet = store.find_pet(int(pet_id)) if is_pet_id(pet_id) else None
+        if pet is None:
+            raise errors.PET_NOT_FOUND(pet_id=pet_id)  # never kept: the animal may come
+        kept = (orjson.dumps(pet_schema.dump(pet)), None)
+        answers().put(("pet", pet_id), *kept)
+    return json_response(kept[0])
 
 
 def is_pet_id(text: str) -> bool:

@@ -1,0 +1,49 @@
+"""Answers reused instead of recomputed: the bodies that can never change.
+
+An animal never changes once created: the contract has no update and no delete. Nor does a full
+page of the list, one after which another animal follows: animals become visible in id order on
+both engines (store.take_ids_in_commit_order), so an animal added later always comes after that
+next one. Their JSON bodies are kept per worker, least recently used dropped first, up to
+ANSWER_CACHE_BYTES (0: none kept); a hit skips the database and marshmallow.
+
+Only bodies are kept, never anything made from one request's headers: the next-page link (built
+from the request's own URL), the ETag (a hash of body and link) and every other header are made
+for each request. The last page of a list, which grows, and 404s, whose animal may come, are
+never kept.
+"""
+
+import threading
+
+from cachetools import LRUCache
+from flask import current_app
+
+
+class Answers:
+    def __init__(self, size_bytes: int):
+        self.enabled = size_bytes > 0
+        self.entries = LRUCache(maxsize=max(size_bytes, 1), getsizeof=lambda entry: len(entry[0]))
+        # The development server serves each request on a thread of its own.
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            return self.entries.get(key)
+
+    def put(self, key, body: bytes, extra=None) -> None:
+        if self.enabled and len(body) <= self.entries.maxsize:
+            with self.lock:
+                self.entries[key] = (body, extra)
+
+
+def answers() -> Answers:
+    """This app's answers, made on first use so each process (worker) has its own."""
+    kept = current_app.extensions.get("animal_store_answers")
+    if kept is None:
+        kept = current_app.extensions.setdefault(
+            "animal_store_answers", Answers(current_app.config["ANSWER_CACHE_BYTES"])
+        )
+    return kept
+
+
+def json_response(body: bytes):
+    return current_app.response_class(body, mimetype="application/json")
