@@ -32,6 +32,21 @@ def stop_process(process, timeout):
             process.wait()
 
 
+def wait_for_port(process, port, name, log, timeout=10):
+    """Return once `process` accepts connections on the loopback `port`; raise, with its log,
+    if it exits or does not listen within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited: {log()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not listen within {timeout}s: {log()}")
+
+
 def make_certificate(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""
     certificate, key = directory / "cert.pem", directory / "key.pem"
@@ -184,16 +199,8 @@ class Nginx:
         )
 
     def wait_until_serving(self, timeout=10):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"nginx exited: {self.error_log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.https_port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"nginx did not listen within {timeout}s: {self.error_log()}")
+        wait_for_port(self.process, self.https_port, "nginx", self.error_log, timeout)
+        return self
 
     def error_log(self):
         path = self.directory / "error.log"

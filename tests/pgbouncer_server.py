@@ -3,13 +3,11 @@ and database; in front of the test PostgreSQL, for a role whose server connectio
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from nginx_server import PROJECT_DIR, free_port, stop_process, substitute
+from nginx_server import PROJECT_DIR, free_port, stop_process, substitute, wait_for_port
 
 PGBOUNCER = shutil.which("pgbouncer") or (
     "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
@@ -82,16 +80,8 @@ class PgBouncer:
         )
 
     def wait_until_serving(self, timeout=10):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"pgbouncer exited: {self.log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"pgbouncer did not listen within {timeout}s: {self.log()}")
+        wait_for_port(self.process, self.port, "pgbouncer", self.log, timeout)
+        return self
 
     def log(self):
         path = self.directory / "pgbouncer.log"
