@@ -7,7 +7,7 @@ the /v1 layer, which gives all of its views, with no wiring of their own:
 
 - authentication with an API key, unless the view is marked `@public`; OPTIONS never needs one;
 - CORS for the origins CORS_ORIGINS lists (Flask-CORS);
-- rate limits and `Cache-Control: no-store` on the same views;
+- rate limits (rate_limits.py) and `Cache-Control: no-store` on the same views;
 - the deprecation headers of a view declared deprecated, on all of its answers;
 - error answers as the error object (errors.py handles every error of the app);
 - their place in the OpenAPI document, with the answers every operation shares (401, 405, 429,
@@ -22,7 +22,7 @@ import flask
 import flask_smorest
 import flask_smorest.spec.plugins
 import flask_smorest.utils
-from flask import current_app, request
+from flask import current_app, g, request
 from flask_cors import CORS
 from flask_smorest.spec.plugins import RE_URL
 from webargs.flaskparser import FlaskParser
@@ -274,7 +274,8 @@ class Policies:
     then costs one look-up, not a walk through its view's declarations.
     """
 
-    def __init__(self):
+    def __init__(self, limiter: rate_limits.RateLimiter):
+        self.limiter = limiter
         self.endpoints = frozenset()
         self.protected = frozenset()
         self.vary_origin = False
@@ -301,10 +302,10 @@ class Policies:
         return request.endpoint in self.protected and request.method != "OPTIONS"
 
     def admit(self):
-        """Answer OPTIONS, which never needs a key, and check the key of a request that does.
+        """Answer OPTIONS, which never needs a key; check the key of a request that does, then
+        count the request against the key's rate limit.
 
-        An app-wide hook, registered before the rate limiter's, so the limiter counts the
-        authenticated key against its own limit.
+        Checked first, then counted: a request without a valid key counts against nothing.
         """
         if request.endpoint not in self.endpoints:
             return None
@@ -316,12 +317,19 @@ class Policies:
             del response.headers["Content-Type"]  # no content, no type
             return response
         if request.endpoint in self.protected:
-            authenticate(SCOPE_OF_METHOD.get(request.method, WRITE_SCOPE))
+            key = authenticate(SCOPE_OF_METHOD.get(request.method, WRITE_SCOPE))
+            g.rate_limit_window = rate_limits.count_request(
+                self.limiter, key.budget, key.rate_limit
+            )
         return None
 
     def add_headers(self, response):
-        """Mark every answer of a deprecated view so, errors included (RFC 9745, RFC 8594), and
-        say that answers vary by Origin while CORS origins are listed."""
+        """Give every answer of a counted request the RateLimit-* headers, and of a deprecated
+        view the deprecation headers, errors included (RFC 9745, RFC 8594); say that answers vary
+        by Origin while CORS origins are listed."""
+        window = g.get("rate_limit_window")
+        if window is not None:
+            response.headers.update(window.headers())
         headers = self.deprecated.get(request.endpoint)
         if headers is not None:
             response.headers.update(headers)
@@ -386,7 +394,7 @@ def register_api(app, resources) -> Api:
     for enum in EnumField.__subclasses__():
         api.spec.components.schema(enum.component, enum.component_schema())
 
-    policies = Policies()
+    policies = Policies(rate_limits.init_rate_limits(app))
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
     layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)
@@ -396,9 +404,7 @@ def register_api(app, resources) -> Api:
     policies.collect(app)
     # The answers' CORS headers, for the origins in CORS_ORIGINS (none by default).
     CORS(app, resources={f"{BASE_PATH}/*": {}})
-    # Before the rate limiter's own hook: keys are checked first, then counted.
     app.before_request(policies.admit)
-    rate_limits.init_rate_limits(app, applies=policies.requires_key)
     security_headers.register_security_headers(app, private=policies.requires_key)
     return api
 

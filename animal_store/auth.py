@@ -68,6 +68,9 @@ def rotate_key(api_key: ApiKey, grace: timedelta) -> str:
 class CachedKey:
     id: int
     name: str
+    # The name of the key's rate-limit budget: its hash, unique, so no two keys (nor two test
+    # runs on one Redis) ever share a count.
+    budget: str
     rate_limit: str | None  # None: the service's RATE_LIMIT
     scopes: frozenset[str]
     expires_at: datetime | None  # this key's: a replaced key's grace ends it sooner
@@ -117,9 +120,9 @@ def presented_key() -> str | None:
     return credentials.strip() or None
 
 
-def authenticate(scope: str):
-    """Let the request through only with a valid key, unrevoked, unexpired and with `scope`;
-    runs before everything else."""
+def authenticate(scope: str) -> CachedKey:
+    """Let the request through only with a valid key, unrevoked, unexpired and with `scope`, and
+    return what is known of it; runs before everything else."""
     key = presented_key()
     if key is None:
         g.auth_failure = "missing"  # for the metrics (metrics.py)
@@ -149,6 +152,7 @@ def authenticate(scope: str):
     if scope not in entry.scopes:
         g.auth_failure = "scope"
         raise errors.MISSING_SCOPE(method=request.method, path=request.path, scope=scope)
+    return entry
 
 
 def look_up_key(key_hash: bytes) -> CachedKey | None:
@@ -161,6 +165,7 @@ def look_up_key(key_hash: bytes) -> CachedKey | None:
     return CachedKey(
         id=row["id"],
         name=row["name"],
+        budget=key_hash.hex(),
         rate_limit=row["rate_limit"],
         scopes=frozenset(row["scopes"].split(",")),
         expires_at=min((moment for moment in expiries if moment is not None), default=None),

@@ -83,7 +83,7 @@ TRUSTED_PROXY_HOPS = 1
 # its own (`flask keys set-limit NAME 100/second`). A minute's window lets a bulk client's burst
 # through: 16 threads creating 1,600 animals with one key never reach it.
 RATE_LIMIT = "6000 per minute"
-# Flask-Limiter reads these two under its own names.
+# The RATELIMIT_* names are those Flask-Limiter, used before, read; rate_limits.py keeps them.
 # False turns limiting off (benchmarks: ANIMAL_STORE_RATELIMIT_ENABLED=false).
 RATELIMIT_ENABLED = True
 # Where the counts live. memory:// counts in each process: exact for the development server, but

@@ -66,7 +66,7 @@ class ApiKey(db.Model):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    # Requests this key may make, in Flask-Limiter's notation ("100/second"); NULL: RATE_LIMIT.
+    # Requests this key may make, in the notation of `limits` ("100/second"); NULL: RATE_LIMIT.
     rate_limit: Mapped[str | None] = mapped_column(String(100))
     # What the key may do: "read" (listPets, getPet), "write" (createPet), comma-separated.
     scopes: Mapped[str] = mapped_column(String(50), server_default="read,write")

@@ -39,8 +39,8 @@ def load_deployment_settings(app) -> None:
     app.config.from_prefixed_env("ANIMAL_STORE")
 
 
-# Settings that now carry the names Flask-Limiter reads itself. An old name stops the boot rather
-# than being ignored, which would silently count in each worker's memory again.
+# Settings renamed to the RATELIMIT_* names (Flask-Limiter's, kept). An old name stops the boot
+# rather than being ignored, which would silently count in each worker's memory again.
 RENAMED_SETTINGS = {
     "RATE_LIMIT_ENABLED": "RATELIMIT_ENABLED",
     "RATE_LIMIT_STORAGE_URI": "RATELIMIT_STORAGE_URI",

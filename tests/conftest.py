@@ -84,8 +84,7 @@ def make_app(database_url):
         with app.app_context():
             db.engine.dispose()
         # The rate limiter's Redis client, where it has one (limits' RedisStorage.storage).
-        limiter = app.extensions["animal_store_limiter"]
-        redis_client = getattr(limiter._storage, "storage", None) if limiter.enabled else None
+        redis_client = getattr(app.extensions["animal_store_rate_limits"].storage, "storage", None)
         if hasattr(redis_client, "close"):
             redis_client.close()
 
