@@ -3,6 +3,7 @@ budget per key across the pets operations; never on documents or health; off by 
 broken store serves unlimited; with Redis the limit holds across gunicorn workers."""
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -239,3 +240,42 @@ def test_workers_warn_at_boot_when_they_count_apart(start_gunicorn, redis_url, s
         assert "with 2 workers a key may make up to 2 times its limit" in server.log()
     expected = "per process" if warned else "shared"
     assert requests.get(server.url + "/readyz", timeout=5).json()["rateLimits"] == expected
+
+
+def test_a_worker_that_did_not_open_the_window_tells_its_end(limited, make_key, redis_url):
+    # The second app (a second worker) finds the window open: it asks Redis when it ends.
+    first, second = (
+        limited(RATELIMIT_STORAGE_URI=redis_url),
+        limited(RATELIMIT_STORAGE_URI=redis_url),
+    )
+    headers = bearer(make_key())
+    opened = first.get("/v1/pets", headers=headers).headers
+    found = second.get("/v1/pets", headers=headers).headers
+    assert found["RateLimit-Remaining"] == "1"
+    assert 3590 <= int(found["RateLimit-Reset"]) <= 3600
+    assert abs(int(found["RateLimit-Reset"]) - int(opened["RateLimit-Reset"])) <= 1
+
+
+def test_a_new_window_opens_when_the_last_ends(limited, make_key):
+    client, headers = limited("1 per second"), bearer(make_key())
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+    refused = client.get("/v1/pets", headers=headers)
+    assert refused.status_code == 429
+    time.sleep(int(refused.headers["Retry-After"]) + 0.1)
+    again = client.get("/v1/pets", headers=headers)
+    assert again.status_code == 200
+    assert again.headers["RateLimit-Remaining"] == "0"
+    assert int(again.headers["RateLimit-Reset"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("limit", "statuses", "shown"),
+    [("5/second;2/hour", [200, 200, 429], "2"), ("2/second;5/hour", [200, 200, 429], "2")],
+)
+def test_each_of_several_limits_is_counted(limited, make_key, limit, statuses, shown):
+    client, headers = limited(limit), bearer(make_key())
+    responses = [client.get("/v1/pets", headers=headers) for _ in statuses]
+    assert [response.status_code for response in responses] == statuses
+    assert responses[-1].headers["RateLimit-Limit"] == shown
+    # Until one is exceeded, the headers show the shortest window's.
+    assert responses[0].headers["RateLimit-Limit"] == limit.split("/")[0]
