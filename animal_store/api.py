@@ -14,6 +14,7 @@ the /v1 layer, which gives all of its views, with no wiring of their own:
   500, 503, the RateLimit-* headers) added to what each view declares.
 """
 
+import threading
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from email.utils import format_datetime
@@ -22,6 +23,7 @@ import flask
 import flask_smorest
 import flask_smorest.spec.plugins
 import flask_smorest.utils
+from cachetools import LRUCache
 from flask import current_app, g, request
 from flask_cors import CORS
 from flask_smorest.spec.plugins import RE_URL
@@ -133,6 +135,28 @@ class ArgumentsParser(FlaskParser):
 
     DEFAULT_VALIDATION_STATUS = 400
     LOCATION_NAMES = {"query": "query parameter", "json": "request body", "headers": "header"}
+    # Query strings whose arguments a worker remembers, least recently used dropped first.
+    KNOWN_QUERIES = 1024
+
+    def __init__(self):
+        super().__init__()
+        self.queries = LRUCache(self.KNOWN_QUERIES)
+        # The development server serves each request on a thread of its own.
+        self.lock = threading.Lock()
+
+    def parse(self, argmap, req=None, *, location=None, **kwargs):
+        """Parse as webargs does; a query's arguments, a function of its text alone, only the
+        first time a worker sees that text (a walk's pages and a client's polls repeat theirs)."""
+        if location != "query":
+            return super().parse(argmap, req, location=location, **kwargs)
+        key = (id(argmap), (req or request).query_string)  # a schema lives as long as its view
+        with self.lock:
+            parsed = self.queries.get(key)
+        if parsed is None:  # not remembered, or refused: a 400 is never remembered
+            parsed = super().parse(argmap, req, location=location, **kwargs)
+            with self.lock:
+                self.queries[key] = parsed
+        return dict(parsed)  # the view's own copy
 
     def load_querystring(self, req, schema):
         # The query as Werkzeug parsed it, whose get() is a parameter's first value: what a
@@ -402,8 +426,10 @@ def register_api(app, resources) -> Api:
         layer.register_blueprint(resource)
     api.register_blueprint(layer)
     policies.collect(app)
-    # The answers' CORS headers, for the origins in CORS_ORIGINS (none by default).
-    CORS(app, resources={f"{BASE_PATH}/*": {}})
+    if app.config["CORS_ORIGINS"]:
+        # The answers' CORS headers, for the origins listed; with none (the default), there is
+        # nothing to add, and no hook runs on every request to find that out.
+        CORS(app, resources={f"{BASE_PATH}/*": {}})
     app.before_request(policies.admit)
     security_headers.register_security_headers(app, private=policies.requires_key)
     return api

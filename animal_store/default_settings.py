@@ -84,15 +84,17 @@ TRUSTED_PROXY_HOPS = 1
 # through: 16 threads creating 1,600 animals with one key never reach it.
 RATE_LIMIT = "6000 per minute"
 # The RATELIMIT_* names are those Flask-Limiter, used before, read; rate_limits.py keeps them.
-# False turns limiting off (benchmarks: ANIMAL_STORE_RATELIMIT_ENABLED=false).
+# False turns limiting off.
 RATELIMIT_ENABLED = True
 # Where the counts live. memory:// counts in each process: exact for the development server, but
 # under gunicorn the effective limit is RATE_LIMIT x workers x instances (the workers warn at
 # boot, /readyz says "per process"). redis://host:6379/0 shares one count among all of them; the
 # production and staging settings use the machine's Redis.
 RATELIMIT_STORAGE_URI = "memory://"
-# A Redis that stops answering costs a request at most this long (then it is served unlimited),
-# and keeps /readyz, which asks it, within its time.
+# redis-py's options. A Redis that stops answering costs a request at most this long (then it is
+# served unlimited), and keeps /readyz, which asks it, within its time. (Not redis-py's
+# single_connection_client: it connects when the app is made, so a Redis that is down would stop
+# the boot.)
 RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.5, "socket_timeout": 0.5}
 
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.

@@ -6,7 +6,7 @@ import time
 from datetime import UTC, datetime
 
 import orjson
-from flask import current_app, g, request
+from flask import g, request
 from flask.logging import default_handler
 
 from animal_store.request_id import current_request_id
@@ -57,6 +57,13 @@ def configure_logging(app) -> None:
     logger.setLevel(app.config["LOG_LEVEL"])
     # The one handler above writes each line; the root logger (gunicorn's) would write it twice.
     logger.propagate = False
+    requests = logger.getChild("request")
+
+    def log_request(response):
+        if requests.isEnabledFor(logging.INFO):
+            requests.info("request", extra={"fields": request_fields(response)})
+        return response
+
     app.before_request(start_timer)
     app.after_request(log_request)
 
@@ -65,7 +72,7 @@ def start_timer():
     g.request_started = time.perf_counter()
 
 
-def log_request(response):
+def request_fields(response) -> dict:
     started = g.get("request_started")
     fields = {
         "method": request.method,
@@ -79,5 +86,4 @@ def log_request(response):
     }
     if request.query_string:
         fields["query"] = request.query_string.decode("latin-1")
-    current_app.logger.getChild("request").info("request", extra={"fields": fields})
-    return response
+    return fields

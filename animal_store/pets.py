@@ -9,7 +9,7 @@ from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
 from animal_store.extensions import db
 from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
-from animal_store.pagination import next_page_link
+from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, ListQuerySchema, NewPetSchema, PetSchema
 
 bp = Blueprint("pets", __name__)
@@ -55,11 +55,11 @@ def list_pets(query):
             return pets  # the end of the list, which grows: made afresh each time
         pets = pets[:limit]
         body = orjson.dumps(pets_schema.dump(pets))
-        kept = (body, pets[-1]["id"])
+        kept = (body, next_page_query(pets[-1]["id"], limit, status))
         answers().put(("page", after, limit, status), *kept)
-    body, last_id = kept
+    body, next_query = kept
     response = json_response(body)
-    response.headers["Link"] = next_page_link(last_id, limit, status)
+    response.headers["Link"] = next_page_link(next_query)
     return response
 
 

@@ -21,16 +21,11 @@ def current_request_id() -> str | None:
     return g.request_id
 
 
-def choose_request_id() -> None:
-    current_request_id()  # a before_request function must return None to let the request on
-
-
 def add_request_id_header(response):
     response.headers[HEADER] = current_request_id()
     return response
 
 
 def init_request_ids(app) -> None:
-    # Chosen before anything else runs, so every log line of the request can carry it.
-    app.before_request(choose_request_id)
+    # Chosen on first use (a log line, or this header), the same for the whole request.
     app.after_request(add_request_id_header)
