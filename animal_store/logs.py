@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import orjson
 from flask import g, request
 from flask.logging import default_handler
+from gunicorn import glogging
 
 from animal_store.request_id import current_request_id
 
@@ -43,6 +44,19 @@ class StdoutHandler(logging.StreamHandler):
 
     @stream.setter
     def stream(self, _value):
+        pass
+
+
+class GunicornLogger(glogging.Logger):
+    """gunicorn's logger without its access log (config/gunicorn.conf.py's logger_class).
+
+    The app writes one line per request itself (log_request), with the request ID and the key's
+    name. gunicorn's `accesslog = None` is not enough: given a logging config (logconfig_dict,
+    which makes its error log JSON), it builds its access line's fields for every request anyway,
+    a tenth of a worker's CPU on a list request (docs/benchmarks.rst).
+    """
+
+    def access(self, resp, req, environ, request_time):
         pass
 
 

@@ -58,6 +58,7 @@ def child_exit(server, worker):
 # gunicorn's own access log is off: the app writes one JSON line per request to stdout
 # (animal_store/logs.py) with the request ID and key name, which gunicorn's line cannot carry.
 accesslog = None
+logger_class = "animal_store.logs.GunicornLogger"
 errorlog = "-"
 # gunicorn's error log (boot, worker exits, timeouts) as JSON lines on stdout too, like the app's.
 logconfig_dict = {
