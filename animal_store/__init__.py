@@ -8,11 +8,13 @@ from animal_store import health, openapi, pets
 from animal_store.api import register_api
 from animal_store.cli import register_commands
 from animal_store.extensions import db, migrate, tune_sqlite_connections
+from animal_store.hooks import register_hooks
 from animal_store.json_provider import OrjsonProvider
-from animal_store.logs import configure_logging
+from animal_store.logs import configure_logging, log_request, start_timer
 from animal_store.metrics import init_metrics
 from animal_store.proxies import trust_proxies
-from animal_store.request_id import init_request_ids
+from animal_store.request_id import add_request_id_header
+from animal_store.security_headers import security_headers
 from animal_store.settings import load_settings
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
@@ -26,16 +28,25 @@ def create_app(test_config=None, resources=RESOURCES):
     # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
     app.url_map.merge_slashes = False
     load_settings(app, test_config)
-    init_request_ids(app)
     configure_logging(app)
     app.json = OrjsonProvider(app)
     db.init_app(app)
     tune_sqlite_connections(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
-    register_api(app, resources)
+    policies = register_api(app, resources)
     app.register_blueprint(health.bp)
     register_commands(app)
     trust_proxies(app)
     # Last: it labels requests by every route registered above.
-    init_metrics(app)
+    metrics = init_metrics(app)
+    register_hooks(
+        app,
+        before=(start_timer, metrics.begin),
+        after=(
+            metrics.observe,
+            security_headers(private=policies.requires_key),
+            add_request_id_header,
+            log_request,
+        ),
+    )
     return app

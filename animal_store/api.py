@@ -29,7 +29,7 @@ from flask_cors import CORS
 from flask_smorest.spec.plugins import RE_URL
 from webargs.flaskparser import FlaskParser
 
-from animal_store import errors, rate_limits, security_headers
+from animal_store import errors, rate_limits
 from animal_store.auth import authenticate
 from animal_store.body import BODY_ERRORS, json_object_body
 from animal_store.schemas import EnumField, ErrorSchema, Int64
@@ -300,7 +300,6 @@ class Policies:
 
     def __init__(self, limiter: rate_limits.RateLimiter):
         self.limiter = limiter
-        self.endpoints = frozenset()
         self.protected = frozenset()
         self.vary_origin = False
         self.deprecated = {}
@@ -311,7 +310,6 @@ class Policies:
             for endpoint, view in app.view_functions.items()
             if endpoint.startswith(f"{LAYER}.")
         }
-        self.endpoints = frozenset(views)
         self.protected = frozenset(e for e, doc in views.items() if not doc.get("public"))
         # Answers to listed origins carry CORS headers and others' do not: caches must know.
         self.vary_origin = bool(app.config["CORS_ORIGINS"])
@@ -329,10 +327,9 @@ class Policies:
         """Answer OPTIONS, which never needs a key; check the key of a request that does, then
         count the request against the key's rate limit.
 
-        Checked first, then counted: a request without a valid key counts against nothing.
+        Checked first, then counted: a request without a valid key counts against nothing. A
+        hook of the layer's blueprint: it runs for the layer's views only.
         """
-        if request.endpoint not in self.endpoints:
-            return None
         if request.method == "OPTIONS":
             # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
             # its headers for a listed origin.
@@ -385,8 +382,9 @@ class Api(flask_smorest.Api):
         pass
 
 
-def register_api(app, resources) -> Api:
-    """Serve the resources under /v1 with everything the layer gives, and build the document."""
+def register_api(app, resources) -> Policies:
+    """Serve the resources under /v1 with everything the layer gives, and build the document;
+    return the layer's policies."""
     check_servers(app.config["OPENAPI_SERVERS"])
     api = Api(
         app,
@@ -420,6 +418,7 @@ def register_api(app, resources) -> Api:
 
     policies = Policies(rate_limits.init_rate_limits(app))
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
+    layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)
     for resource in resources:
@@ -430,9 +429,7 @@ def register_api(app, resources) -> Api:
         # The answers' CORS headers, for the origins listed; with none (the default), there is
         # nothing to add, and no hook runs on every request to find that out.
         CORS(app, resources={f"{BASE_PATH}/*": {}})
-    app.before_request(policies.admit)
-    security_headers.register_security_headers(app, private=policies.requires_key)
-    return api
+    return policies
 
 
 def enum_reference(self, field, **kwargs) -> dict:

@@ -6,9 +6,8 @@ import time
 from datetime import UTC, datetime
 
 import orjson
-from flask import g, request
+from flask import current_app, g, request
 from flask.logging import default_handler
-from gunicorn import glogging
 
 from animal_store.request_id import current_request_id
 
@@ -47,21 +46,8 @@ class StdoutHandler(logging.StreamHandler):
         pass
 
 
-class GunicornLogger(glogging.Logger):
-    """gunicorn's logger without its access log (config/gunicorn.conf.py's logger_class).
-
-    The app writes one line per request itself (log_request), with the request ID and the key's
-    name. gunicorn's `accesslog = None` is not enough: given a logging config (logconfig_dict,
-    which makes its error log JSON), it builds its access line's fields for every request anyway,
-    a tenth of a worker's CPU on a list request (docs/benchmarks.rst).
-    """
-
-    def access(self, resp, req, environ, request_time):
-        pass
-
-
 def configure_logging(app) -> None:
-    """Send the app's log records to stdout as JSON lines at LOG_LEVEL and log every request."""
+    """Send the app's log records to stdout as JSON lines at LOG_LEVEL."""
     logger = logging.getLogger(app.name)
     logger.removeHandler(default_handler)
     if not any(isinstance(handler, StdoutHandler) for handler in logger.handlers):
@@ -71,19 +57,17 @@ def configure_logging(app) -> None:
     logger.setLevel(app.config["LOG_LEVEL"])
     # The one handler above writes each line; the root logger (gunicorn's) would write it twice.
     logger.propagate = False
-    requests = logger.getChild("request")
-
-    def log_request(response):
-        if requests.isEnabledFor(logging.INFO):
-            requests.info("request", extra={"fields": request_fields(response)})
-        return response
-
-    app.before_request(start_timer)
-    app.after_request(log_request)
 
 
-def start_timer():
+def start_timer() -> None:
     g.request_started = time.perf_counter()
+
+
+def log_request(response) -> None:
+    """Write the request's line, the app's access log (at INFO)."""
+    requests = current_app.logger.getChild("request")
+    if requests.isEnabledFor(logging.INFO):
+        requests.info("request", extra={"fields": request_fields(response)})
 
 
 def request_fields(response) -> dict:

@@ -67,34 +67,33 @@ def operation_label(endpoint: str, view) -> str:
     return operation_id or endpoint.rsplit(".", 1)[-1]
 
 
-def init_metrics(app) -> None:
-    """Count every request of the app and serve /metrics; after every route is registered."""
-    app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
-    operations = {e: operation_label(e, view) for e, view in app.view_functions.items()}
-    with app.app_context():
-        pool = db.engine.pool
-    # SQLite's and PostgreSQL's pools count their connections; a NullPool would not.
-    counts_connections = hasattr(pool, "checkedout")
-    # Each request's series, looked up once: labels() costs more than the increment itself.
-    series = {}
-    pool_seen = [None]
+class RequestMetrics:
+    """Each request's figures: begin() before its view, observe() on its answer (hooks.py)."""
 
-    @app.before_request
-    def count_in_progress():
+    def __init__(self, app):
+        self.operations = {e: operation_label(e, view) for e, view in app.view_functions.items()}
+        with app.app_context():
+            self.pool = db.engine.pool
+        # SQLite's and PostgreSQL's pools count their connections; a NullPool would not.
+        self.counts_connections = hasattr(self.pool, "checkedout")
+        # Each request's series, looked up once: labels() costs more than the increment itself.
+        self.series = {}
+        self.pool_seen = None
+
+    def begin(self) -> None:
         IN_PROGRESS.inc()
         g.metrics_in_progress = True
 
-    @app.after_request
-    def observe(response):
+    def observe(self, response) -> None:
         elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
         if request.method == "OPTIONS":
             operation = "preflight"
         else:
-            operation = operations.get(request.endpoint, "unmatched")
+            operation = self.operations.get(request.endpoint, "unmatched")
         status = response.status_code
-        counted = series.get((operation, status))
+        counted = self.series.get((operation, status))
         if counted is None:
-            counted = series[operation, status] = (
+            counted = self.series[operation, status] = (
                 REQUESTS.labels(operation, str(status)),
                 DURATION.labels(operation, f"{status // 100}xx"),
             )
@@ -106,20 +105,27 @@ def init_metrics(app) -> None:
             REPLAYS.inc()
         if reason := g.get("auth_failure"):
             AUTH_FAILURES.labels(reason).inc()
-        if counts_connections:
+        if self.counts_connections:
             # Written only when they change: a gauge's write is a file's under gunicorn.
-            connections = (pool.checkedout(), pool.checkedin())
-            if connections != pool_seen[0]:
-                pool_seen[0] = connections
+            connections = (self.pool.checkedout(), self.pool.checkedin())
+            if connections != self.pool_seen:
+                self.pool_seen = connections
                 POOL.labels("checked_out").set(connections[0])
                 POOL.labels("idle").set(connections[1])
-        return response
+
+
+def init_metrics(app) -> RequestMetrics:
+    """Serve /metrics and return what counts every request of the app; after every route is
+    registered, which it labels by."""
+    app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
 
     @app.teardown_request
     def end_in_progress(_error=None):
         # In teardown, which runs whatever happened, so the gauge never drifts upward.
         if g.pop("metrics_in_progress", False):
             IN_PROGRESS.dec()
+
+    return RequestMetrics(app)
 
 
 def serve_metrics():

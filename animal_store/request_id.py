@@ -21,11 +21,6 @@ def current_request_id() -> str | None:
     return g.request_id
 
 
-def add_request_id_header(response):
-    response.headers[HEADER] = current_request_id()
-    return response
-
-
-def init_request_ids(app) -> None:
+def add_request_id_header(response) -> None:
     # Chosen on first use (a log line, or this header), the same for the whole request.
-    app.after_request(add_request_id_header)
+    response.headers[HEADER] = current_request_id()

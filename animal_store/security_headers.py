@@ -3,11 +3,11 @@
 from flask import request
 
 
-def register_security_headers(app, private) -> None:
-    """Add the headers to every answer; `private()` tells the answers meant for one key holder."""
+def security_headers(private):
+    """Return the step adding the headers to an answer; `private()` tells the answers meant for
+    one key holder."""
 
-    @app.after_request
-    def add_security_headers(response):
+    def add_security_headers(response) -> None:
         # Browsers must not guess a type: an error echoing input is JSON, never HTML or script.
         response.headers["X-Content-Type-Options"] = "nosniff"
         if private() or "Authorization" in request.headers:
@@ -17,4 +17,5 @@ def register_security_headers(app, private) -> None:
                 response.headers["Cache-Control"] = "private, no-cache"
             else:
                 response.headers["Cache-Control"] = "no-store"
-        return response
+
+    return add_security_headers

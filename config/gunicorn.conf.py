@@ -5,6 +5,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from gunicorn import glogging
+
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
 # One process per core, sync workers: chosen by measurement through the shipped nginx
 # (docs/deploy.rst, Workers, measured). nginx buffers each request and answer and opens a
@@ -58,7 +60,18 @@ def child_exit(server, worker):
 # gunicorn's own access log is off: the app writes one JSON line per request to stdout
 # (animal_store/logs.py) with the request ID and key name, which gunicorn's line cannot carry.
 accesslog = None
-logger_class = "animal_store.logs.GunicornLogger"
+
+
+class Logger(glogging.Logger):
+    """gunicorn's logger without its access line. `accesslog = None` is not enough: given a
+    logging config (logconfig_dict, below), gunicorn builds the line's fields for every request
+    anyway, a tenth of a worker's CPU on a list request (docs/benchmarks.rst)."""
+
+    def access(self, resp, req, environ, request_time):
+        pass
+
+
+logger_class = Logger
 errorlog = "-"
 # gunicorn's error log (boot, worker exits, timeouts) as JSON lines on stdout too, like the app's.
 logconfig_dict = {
