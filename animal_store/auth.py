@@ -144,10 +144,9 @@ def authenticate(scope: str) -> CachedKey:
         # Cached or not, an expired key is refused from the moment it expires.
         g.auth_failure = "expired"
         raise errors.INVALID_KEY(headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
-    g.api_key_name = entry.name
-    g.api_key_prefix = key[:VISIBLE_PREFIX_LENGTH]  # for the logs, which never see the key
-    g.api_key_id = entry.id  # Idempotency-Keys are scoped to the API key
-    g.api_key_rate_limit = entry.rate_limit
+    # Its name for the logs and its id for the Idempotency-Keys, which are scoped to it; the
+    # visible prefix of the key presented (a rotated key's old one in its grace has its own).
+    g.api_key, g.api_key_prefix = entry, key[:VISIBLE_PREFIX_LENGTH]
     record_use(entry, now)
     if scope not in entry.scopes:
         g.auth_failure = "scope"

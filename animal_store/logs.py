@@ -6,10 +6,13 @@ import time
 from datetime import UTC, datetime
 
 import orjson
-from flask import current_app, g, request
+from flask import g, request
 from flask.logging import default_handler
 
 from animal_store.request_id import current_request_id
+
+# The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
+REQUESTS = logging.getLogger("animal_store.request")
 
 
 class JsonFormatter(logging.Formatter):
@@ -65,13 +68,13 @@ def start_timer() -> None:
 
 def log_request(response) -> None:
     """Write the request's line, the app's access log (at INFO)."""
-    requests = current_app.logger.getChild("request")
-    if requests.isEnabledFor(logging.INFO):
-        requests.info("request", extra={"fields": request_fields(response)})
+    if REQUESTS.isEnabledFor(logging.INFO):
+        REQUESTS.info("request", extra={"fields": request_fields(response)})
 
 
 def request_fields(response) -> dict:
     started = g.get("request_started")
+    api_key = g.get("api_key")
     fields = {
         "method": request.method,
         "path": request.path,
@@ -79,7 +82,7 @@ def request_fields(response) -> dict:
         "duration_ms": round((time.perf_counter() - started) * 1000, 2) if started else None,
         "remote_addr": request.remote_addr,
         # Which key, by its name and visible prefix; never the key or the Authorization header.
-        "api_key_name": g.get("api_key_name"),
+        "api_key_name": api_key.name if api_key else None,
         "api_key_prefix": g.get("api_key_prefix"),
     }
     if request.query_string:

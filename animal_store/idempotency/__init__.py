@@ -64,7 +64,7 @@ def idempotent(view):
         if key is None:
             return view(*args, **kwargs)
         maybe_purge_expired()
-        claimed = claim(g.api_key_id, key, request_fingerprint())
+        claimed = claim(g.api_key.id, key, request_fingerprint())
         if not isinstance(claimed, Claim):
             return claimed
         g.idempotency_claim = claimed
