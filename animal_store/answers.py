@@ -6,10 +6,11 @@ both engines (store.take_ids_in_commit_order), so an animal added later always c
 next one. Their JSON bodies are kept per worker, least recently used dropped first, up to
 ANSWER_CACHE_BYTES (0: none kept); a hit skips the database and marshmallow.
 
-Only bodies are kept, never anything made from one request's headers: the next-page link (built
-from the request's own URL), the ETag (a hash of body and link) and every other header are made
-for each request. The last page of a list, which grows, and 404s, whose animal may come, are
-never kept.
+Only bodies are kept, with a full page the query of its next page's URL (the same for every
+client), never anything made from one request's headers: the next-page link (the request's own
+scheme and host before that query), the ETag (a hash of body and link) and every other header
+are made for each request. The last page of a list, which grows, and 404s, whose animal may
+come, are never kept.
 """
 
 import threading
