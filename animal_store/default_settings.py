@@ -91,10 +91,15 @@ RATELIMIT_ENABLED = True
 # boot, /readyz says "per process"). redis://host:6379/0 shares one count among all of them; the
 # production and staging settings use the machine's Redis.
 RATELIMIT_STORAGE_URI = "memory://"
-# redis-py's options. A Redis that stops answering costs a request at most this long (then it is
-# served unlimited), and keeps /readyz, which asks it, within its time. (Not redis-py's
-# single_connection_client: it connects when the app is made, so a Redis that is down would stop
-# the boot.)
+# Seconds between a worker's syncs of its counts with Redis (rate_limits.py): a key may overshoot
+# its limit by what it sends in this long (and a round trip), over all workers together; a
+# shorter interval costs each worker more round trips. The request path never waits on Redis.
+RATELIMIT_SYNC_INTERVAL = 0.05
+# While Redis does not answer, each worker counts alone and tries it again this often.
+RATELIMIT_RETRY_INTERVAL = 1.0
+# redis-py's options: how long a sync (never a request) waits for a Redis that stops answering
+# before the worker counts alone. (Not redis-py's single_connection_client: it connects when the
+# app is made, so a Redis that is down would stop the boot.)
 RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.5, "socket_timeout": 0.5}
 
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.

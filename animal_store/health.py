@@ -22,8 +22,9 @@ def readyz():
     """Answer 200 when the database answers a trivial query, else 503 within a bounded time.
 
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
-    "per process" (each worker counts apart), "storage unreachable" (served unlimited) or "off".
-    None of them makes the instance unready: it serves either way.
+    "per process" (each worker counts apart), "storage unreachable" (each worker counts apart
+    until Redis answers again: the status is then "degraded") or "off". None of them makes the
+    instance unready: it serves either way, and the answer never waits on Redis.
     """
     try:
         check_database()
@@ -31,7 +32,9 @@ def readyz():
         db.session.rollback()
         current_app.logger.warning("Readiness check failed: the database did not answer")
         raise database_unavailable() from None
-    return {"status": "ok", "rateLimits": rate_limits.counting(current_app)}, 200
+    counting = rate_limits.counting(current_app)
+    status = "degraded" if counting == rate_limits.UNREACHABLE else "ok"
+    return {"status": status, "rateLimits": counting}, 200
 
 
 def check_database() -> None:

@@ -1,4 +1,5 @@
-"""Per-key rate limits on the operations of the API layer, counted with `limits`.
+"""Per-key rate limits on the operations of the API layer: counted in each worker's memory, shared
+through Redis in the background.
 
 Every API key has one budget, shared by all the operations of the API layer (api.py), counted in
 fixed windows: the key's own limit (`flask keys set-limit`), else RATE_LIMIT. Beyond it: 429 with
@@ -6,42 +7,91 @@ Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining
 RateLimit-Reset (seconds until the window resets).
 
 The layer counts a request after its key is checked (api.Policies.admit), so only known keys are
-counted: a request without a valid key is answered 401 at less cost than counting it would take.
+counted.
 
-Counts live in RATELIMIT_STORAGE_URI, through `limits`' storages. redis:// shares one count among
-every worker and instance, so the limit configured is the limit a client gets; the production and
-staging settings use the machine's Redis. memory:// counts in each worker process: exact for one
-process (the development server), but under gunicorn the real limit is the limit times the
-workers times the instances, which the workers say in their log at boot and /readyz says while
-they serve (counting()). If the storage fails, requests are served unlimited and the failure is
-logged: a broken Redis must not take the store down.
+A request costs a local increment, never a round trip: each worker counts in its own memory, and
+a thread of its own adds what it counted to the shared counts in Redis (RATELIMIT_STORAGE_URI)
+every RATELIMIT_SYNC_INTERVAL seconds and reads back the totals, all of a worker's open windows
+in one round trip, as Kong's `sync_rate` and APISIX's `sync_interval` do. A worker decides on the
+shared total it last read plus what it counted since. So:
 
-Why not Flask-Limiter, which this module used before: for one limit it asked Redis three times a
-request (count, then count and expiry again for the headers) and resolved its decorators, scopes
-and exemptions on every request, together 0.8 ms of a worker's CPU per request on the benchmark
-machine (docs/benchmarks.rst). Here a request costs one round trip: the count comes back from the
-increment, and the window's end is known to the worker that opened the window, or asked once per
-window by the others. Its settings keep the names they had (RATELIMIT_*).
+- the request path never waits on Redis, hung or not;
+- a key may overshoot its limit by what it sends in one sync interval and a round trip, over
+  all workers and instances together (a client at 1,000 requests a second: about 50 with the
+  default 0.05 s, on a limit of 6,000 a minute); RATELIMIT_SYNC_INTERVAL trades that against
+  Redis round trips;
+- a worker learns the window's end, when another opened it, at its first sync.
+
+While Redis does not answer (a sync fails or times out: RATELIMIT_STORAGE_OPTIONS), each worker
+goes on counting alone: the limit holds per process, as with memory://, which the log says once
+and /readyz says while it lasts (counting()). The thread tries again every
+RATELIMIT_RETRY_INTERVAL seconds, and the first sync that succeeds adds the hits counted
+meanwhile to the windows still open. memory:// counts in each process only, with no thread:
+exact for the development server, the limit times the workers under gunicorn.
+
+Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
+they count on the request path, a round trip per request, which cost a tenth of a worker's CPU
+and, with Redis hung, made every request wait out the socket timeout (issue "Degrade, don't
+stall"). `limits` still parses the limits and names the windows.
 """
 
 import math
+import os
+import secrets
+import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
+import redis
 from cachetools import TLRUCache
-from flask import current_app
 from limits import RateLimitItem, parse_many
-from limits.errors import StorageError
-from limits.storage import storage_from_string
+from prometheus_client import Counter
 
 from animal_store import errors
 
 # What /readyz says of the counts (counting()).
 SHARED, PER_PROCESS, UNREACHABLE, OFF = "shared", "per process", "storage unreachable", "off"
 KEY_PREFIX = "animal-store"
-# Windows whose end a worker remembers; an API key has one open window per limit.
+# Windows a worker counts at once, the least recently used dropped first; a key has one open
+# window per limit.
 KNOWN_WINDOWS = 10_000
+# An idle worker asks Redis whether it answers this often, so /readyz knows without asking.
+HEALTH_INTERVAL = 1.0
+# How long /readyz waits for a new worker's first word from Redis (its budget is 0.5 s).
+FIRST_CONTACT_WAIT = 0.25
+
+DEGRADED_SECONDS = Counter(
+    "animal_store_rate_limit_degraded_seconds",
+    "Seconds the workers counted rate limits apart because Redis did not answer, summed over "
+    "the workers.",
+)
+
+# One round trip for all of a worker's windows. Each window is a hash of what each worker counted
+# in it (ARGV: this worker's field, then its count and the period in ms by pairs), and the answer
+# is the window's total and the milliseconds left in it. A worker writes its own count, not an
+# increment, so a sync that timed out and ran anyway (a Redis that hung and went on) counts
+# nothing twice. The window opens with the first hit anywhere, as `limits`' fixed windows do.
+SYNC_SCRIPT = """
+local answers = {}
+local worker = ARGV[1]
+for i, key in ipairs(KEYS) do
+  local mine, period = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  if mine > 0 then  -- 0: nothing new here, only the total is read
+    redis.call('HSET', key, worker, mine)
+    if redis.call('PTTL', key) < 0 then
+      redis.call('PEXPIRE', key, period)
+    end
+  end
+  local total = 0
+  for _, count in ipairs(redis.call('HVALS', key)) do
+    total = total + tonumber(count)
+  end
+  answers[i] = {total, redis.call('PTTL', key)}
+end
+return answers
+"""
 
 
 def check_limit(text: str) -> str:
@@ -77,68 +127,182 @@ class Window:
         return headers
 
 
-class RateLimiter:
-    """Count requests by API key in fixed windows, in the storage RATELIMIT_STORAGE_URI names."""
+class Tally:
+    """One key's count in one window of one limit, as this worker knows it."""
 
-    def __init__(self, config):
+    __slots__ = ("end", "key", "limit", "mine", "others", "storage_key", "synced")
+
+    def __init__(self, budget: str, limit: RateLimitItem, end: float):
+        self.key = (budget, limit)
+        self.limit = limit
+        self.storage_key = limit.key_for(KEY_PREFIX, budget)
+        self.end = end  # when the window ends, as far as this worker knows
+        self.mine = 0  # hits this worker counted in the window
+        self.synced = 0  # of which Redis has been told
+        self.others = 0  # the other workers' hits, at the last sync
+
+    @property
+    def count(self) -> int:
+        return self.others + self.mine
+
+
+class RateLimiter:
+    """Count requests by API key in fixed windows: here, and in Redis when RATELIMIT_STORAGE_URI
+    names one."""
+
+    def __init__(self, config, logger):
+        self.logger = logger  # the app's: the sync thread runs outside any app context
         self.enabled = config["RATELIMIT_ENABLED"]
         self.uri = config["RATELIMIT_STORAGE_URI"]
         self.default = check_limit(config["RATE_LIMIT"])
-        self.storage = None
-        if self.enabled:
-            options = config["RATELIMIT_STORAGE_OPTIONS"] if self.uri.startswith("redis") else {}
-            self.storage = storage_from_string(self.uri, wrap_exceptions=True, **options)
+        self.sync_interval = float(config["RATELIMIT_SYNC_INTERVAL"])
+        self.retry_interval = float(config["RATELIMIT_RETRY_INTERVAL"])
+        self.redis = None
+        if self.enabled and self.uri != "memory://":
+            # Connects on first use, in the worker: a Redis that is down never stops the boot.
+            self.redis = redis.Redis.from_url(self.uri, **config["RATELIMIT_STORAGE_OPTIONS"])
+            self.script = self.redis.register_script(SYNC_SCRIPT)
         # A limit's text parsed once: a key's limit is read on every request.
         self.parsed = {}
-        # Each open window's end by its storage key, until it passes (cachetools' TLRUCache).
-        self.window_ends = TLRUCache(
-            KNOWN_WINDOWS, ttu=lambda _key, end, _now: end, timer=time.time
-        )
-        # The development server serves each request on a thread of its own.
+        # Each open window's tally by (budget, limit), until the window ends (cachetools).
+        self.tallies = TLRUCache(KNOWN_WINDOWS, ttu=window_end, timer=time.time)
+        # Requests (on the development server's threads) and the sync thread share the tallies.
         self.lock = threading.Lock()
+        self.sync_lock = threading.Lock()
+        self.syncing_in = None  # the process whose thread syncs, once one was started
+        self.degraded_since = None  # when Redis last stopped answering, while it does not
+        self.last_contact = 0.0
+        self.first_contact = threading.Event()
 
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
         its limits, the shortest window first, until one is exceeded; return the window the
-        headers show. None when limiting is off, or when the storage failed: then the request
-        is served unlimited and the failure logged."""
+        headers show. None when limiting is off."""
         if not self.enabled:
             return None
+        if self.redis is not None and self.syncing_in != os.getpid():
+            self.start_syncing()
         text = limit or self.default
         items = self.parsed.get(text)
         if items is None:
             items = self.parsed[text] = sorted(parse_many(text))
+        now = time.time()
         shown = None
-        try:
+        with self.lock:
             for item in items:
-                window = self.hit(item, item.key_for(KEY_PREFIX, budget))
+                tally = self.tallies.get((budget, item))
+                if tally is None:  # a window opens here, or this worker first counts in it
+                    tally = Tally(budget, item, now + item.get_expiry())
+                    self.tallies[tally.key] = tally
+                tally.mine += 1
+                count = tally.count
+                window = Window(item, max(0, item.amount - count), tally.end, count > item.amount)
                 shown = shown or window
                 if window.exceeded:
                     return window
-        except StorageError as error:
-            current_app.logger.error(
-                "Rate limit storage failed; serving without limits: %s", error.storage_error
-            )
-            return None
         return shown
 
-    def hit(self, item: RateLimitItem, key: str) -> Window:
-        now = time.time()
-        count = self.storage.incr(key, item.get_expiry())
-        with self.lock:
-            if count == 1:  # this request opened the window, which ends a whole period on
-                end = self.window_ends[key] = now + item.get_expiry()
-            else:
-                end = self.window_ends.get(key)
-        if end is None:  # a window another worker opened: asked once, then remembered
-            end = self.storage.get_expiry(key)
+    def start_syncing(self) -> None:
+        """Start this process's sync thread (a gunicorn worker's own, after the fork)."""
+        with self.sync_lock:
+            if self.syncing_in == os.getpid():
+                return
+            self.syncing_in = os.getpid()
+            # This worker's name in the windows' hashes: each process's, and each app's.
+            self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+            # A weak reference: the thread ends with the app (tests make many).
+            thread = threading.Thread(
+                target=keep_syncing, args=(weakref.ref(self),), name="rate-limit-sync", daemon=True
+            )
+            thread.start()
+
+    def sync(self) -> None:
+        """Add the hits counted here since the last sync to the shared counts, and read back
+        the totals and the windows' ends, also of the windows past half their limit, where other
+        workers' hits soon matter; only ask whether Redis answers when there are none."""
+        with self.sync_lock:
             with self.lock:
-                self.window_ends[key] = end
-        return Window(item, max(0, item.amount - count), end, count > item.amount)
+                batch = [
+                    (tally, tally.mine, tally.mine > tally.synced)
+                    for tally in self.tallies.values()
+                    if tally.mine > tally.synced or 2 * tally.count >= tally.limit.amount
+                ]
+            try:
+                if batch:
+                    answers = self.script(
+                        keys=[tally.storage_key for tally, _, _ in batch],
+                        args=[
+                            self.worker,
+                            *(
+                                value
+                                for tally, mine, news in batch
+                                for value in (mine if news else 0, tally.limit.get_expiry() * 1000)
+                            ),
+                        ],
+                    )
+                elif time.monotonic() - self.last_contact >= HEALTH_INTERVAL:
+                    self.redis.ping()
+            except redis.RedisError as error:
+                self.lost_contact(error)  # told again, whole, at the next sync that succeeds
+                return
+            now = time.time()
+            with self.lock:
+                for (tally, mine, _), (total, ttl_ms) in zip(
+                    batch, answers if batch else (), strict=True
+                ):
+                    current = self.tallies.get(tally.key) is tally
+                    if ttl_ms < 0 and current:  # the window ended everywhere: so it does here
+                        del self.tallies[tally.key]
+                    tally.synced, tally.others = mine, max(0, total - mine)
+                    if ttl_ms >= 0 and current:
+                        tally.end = now + ttl_ms / 1000
+                        self.tallies[tally.key] = tally  # its expiry moves with its end
+            self.made_contact()
+
+    def made_contact(self) -> None:
+        self.last_contact = time.monotonic()
+        if self.degraded_since is not None:
+            DEGRADED_SECONDS.inc(time.monotonic() - self.degraded_since)
+            self.degraded_since = None
+            self.logger.warning("Rate limit storage answers again: counts are shared.")
+        self.first_contact.set()
+
+    def lost_contact(self, error: Exception) -> None:
+        now = time.monotonic()
+        if self.degraded_since is None:
+            self.logger.error(
+                "Rate limit storage failed; each worker counts alone until it answers: %s", error
+            )
+        else:
+            DEGRADED_SECONDS.inc(now - self.degraded_since)
+        self.degraded_since = now
+        self.first_contact.set()
+
+    def state(self) -> str:
+        """Say how the limits are counted now: shared, per process, storage unreachable, off."""
+        if not self.enabled:
+            return OFF
+        if self.redis is None:
+            return PER_PROCESS
+        if self.syncing_in != os.getpid():
+            self.start_syncing()
+        if not self.first_contact.wait(FIRST_CONTACT_WAIT):
+            return UNREACHABLE  # not answering within /readyz's budget is not answering
+        return UNREACHABLE if self.degraded_since is not None else SHARED
 
 
-def window_end(_key, end: float, _now: float) -> float:
-    return end
+def keep_syncing(limiter_ref) -> None:
+    """Sync every RATELIMIT_SYNC_INTERVAL seconds, or every RATELIMIT_RETRY_INTERVAL while
+    Redis does not answer, as long as the limiter lives."""
+    while (limiter := limiter_ref()) is not None:
+        limiter.sync()
+        pause = limiter.sync_interval if limiter.degraded_since is None else limiter.retry_interval
+        del limiter  # no strong reference while asleep
+        time.sleep(pause)
+
+
+def window_end(_key, tally: Tally, _now: float) -> float:
+    return tally.end
 
 
 def count_request(limiter: RateLimiter, budget: str, limit: str | None) -> Window | None:
@@ -151,27 +315,19 @@ def count_request(limiter: RateLimiter, budget: str, limit: str | None) -> Windo
 
 def init_rate_limits(app) -> RateLimiter:
     """Make the app's limiter: one per app, as each app has its own storage."""
-    limiter = app.extensions["animal_store_rate_limits"] = RateLimiter(app.config)
+    limiter = app.extensions["animal_store_rate_limits"] = RateLimiter(app.config, app.logger)
     return limiter
 
 
 def counting(app) -> str:
     """Say how the limits are counted now: shared, per process, storage unreachable, or off."""
-    limiter = app.extensions["animal_store_rate_limits"]
-    if not limiter.enabled:
-        return OFF
-    if limiter.uri.startswith("memory://"):
-        return PER_PROCESS
-    try:
-        reachable = limiter.storage.check()
-    except Exception:
-        reachable = False
-    return SHARED if reachable else UNREACHABLE
+    return app.extensions["animal_store_rate_limits"].state()
 
 
 def warn_if_counted_apart(app, workers: int) -> None:
     """Say at a worker's boot that the configured limit cannot hold: its counts are its own."""
-    if workers > 1 and counting(app) == PER_PROCESS:
+    limiter = app.extensions["animal_store_rate_limits"]
+    if workers > 1 and limiter.enabled and limiter.redis is None:
         app.logger.warning(
             "Rate limits are counted in each worker's memory (RATELIMIT_STORAGE_URI=memory://): "
             "with %d workers a key may make up to %d times its limit, and more with several "

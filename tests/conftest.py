@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from flask_migrate import upgrade
 from nginx_server import NGINX, PROJECT_DIR, Nginx, free_port, make_certificate, stop_process
 from playwright.sync_api import sync_playwright
+from redis_server import REDIS_SERVER, RedisServer
 
 from animal_store import create_app
 from animal_store.auth import issue_key
@@ -83,9 +84,9 @@ def make_app(database_url):
     for app in apps:
         with app.app_context():
             db.engine.dispose()
-        # The rate limiter's Redis client, where it has one (limits' RedisStorage.storage).
-        redis_client = getattr(app.extensions["animal_store_rate_limits"].storage, "storage", None)
-        if hasattr(redis_client, "close"):
+        # The rate limiter's Redis client, where it has one.
+        redis_client = app.extensions["animal_store_rate_limits"].redis
+        if redis_client is not None:
             redis_client.close()
 
 
@@ -201,6 +202,16 @@ def redis_url():
     finally:
         connection.close()
     return TEST_REDIS_URL
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of the test's own, which it may freeze; stopped by PID afterwards."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (Debian: redis-server)")
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
 
 
 class Gunicorn:
