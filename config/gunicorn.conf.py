@@ -98,8 +98,8 @@ def post_worker_init(worker):
     # tell a server whose workers have all started from one whose first worker alone serves.
     worker.log.info("Worker ready (pid: %s)", worker.pid)
     # Loud when the rate limits cannot hold: counted in each worker's memory. (Only for the
-    # store: benchmarks/ceiling.py, a bare WSGI function, runs under this file too.)
-    if hasattr(worker.wsgi, "extensions"):
+    # store: benchmarks/ceiling.py and floor.py run under this file too.)
+    if "animal_store_rate_limits" in getattr(worker.wsgi, "extensions", {}):
         from animal_store.rate_limits import warn_if_counted_apart
 
         warn_if_counted_apart(worker.wsgi, worker.cfg.workers)
