@@ -91,16 +91,17 @@ RATELIMIT_ENABLED = True
 # boot, /readyz says "per process"). redis://host:6379/0 shares one count among all of them; the
 # production and staging settings use the machine's Redis.
 RATELIMIT_STORAGE_URI = "memory://"
-# Seconds between a worker's syncs of its counts with Redis (rate_limits.py): a key may overshoot
-# its limit by what it sends in this long (and a round trip), over all workers together; a
-# shorter interval costs each worker more round trips. The request path never waits on Redis.
+# Seconds between a worker's syncs of its counts with Redis (rate_limits.py), each made by the
+# request that finds it due: a key may pass its limit by what it sends to a worker in this long
+# (docs/operations.rst, Rate limits); 0 syncs on every request, exact at a round trip each.
 RATELIMIT_SYNC_INTERVAL = 0.05
 # While Redis does not answer, each worker counts alone and tries it again this often.
 RATELIMIT_RETRY_INTERVAL = 1.0
-# redis-py's options: how long a sync (never a request) waits for a Redis that stops answering
-# before the worker counts alone. (Not redis-py's single_connection_client: it connects when the
-# app is made, so a Redis that is down would stop the boot.)
-RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.5, "socket_timeout": 0.5}
+# redis-py's options. A sync that waits longer for Redis fails, and the worker counts alone until
+# its next try: the most a Redis that stops answering costs one request a retry interval. (Not
+# redis-py's single_connection_client: it connects when the app is made, so a Redis that is down
+# would stop the boot.)
+RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.1, "socket_timeout": 0.1}
 
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.
 # ANIMAL_STORE_CORS_ORIGINS='["https://shop.example"]'. Empty: no CORS headers at all.

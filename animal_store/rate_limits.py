@@ -1,5 +1,5 @@
 """Per-key rate limits on the operations of the API layer: counted in each worker's memory, shared
-through Redis in the background.
+through Redis every few tens of milliseconds.
 
 Every API key has one budget, shared by all the operations of the API layer (api.py), counted in
 fixed windows: the key's own limit (`flask keys set-limit`), else RATE_LIMIT. Beyond it: 429 with
@@ -9,30 +9,34 @@ RateLimit-Reset (seconds until the window resets).
 The layer counts a request after its key is checked (api.Policies.admit), so only known keys are
 counted.
 
-A request costs a local increment, never a round trip: each worker counts in its own memory, and
-a thread of its own adds what it counted to the shared counts in Redis (RATELIMIT_STORAGE_URI)
-every RATELIMIT_SYNC_INTERVAL seconds and reads back the totals, all of a worker's open windows
-in one round trip, as Kong's `sync_rate` and APISIX's `sync_interval` do. A worker decides on the
-shared total it last read plus what it counted since. So:
+A request costs a local increment: each worker counts in its own memory and decides on the
+shared total it last read plus what it counted since. At most once every RATELIMIT_SYNC_INTERVAL
+seconds, the request that finds a sync due writes the worker's counts to Redis
+(RATELIMIT_STORAGE_URI) and reads back the totals, all of its open windows in one round trip, as
+Kong's `sync_rate` and APISIX's `sync_interval` do. So:
 
-- the request path never waits on Redis, hung or not;
-- a key may overshoot its limit by what it sends in one sync interval and a round trip, over
-  all workers and instances together (a client at 1,000 requests a second: about 50 with the
-  default 0.05 s, on a limit of 6,000 a minute); RATELIMIT_SYNC_INTERVAL trades that against
-  Redis round trips;
+- one request in a sync interval pays a round trip, the others none;
+- a key may pass its limit by what it sends in one sync interval to each worker that serves it
+  (docs/operations.rst has the bound); an interval of 0 syncs on every request: exact, at a
+  round trip each;
 - a worker learns the window's end, when another opened it, at its first sync.
 
-While Redis does not answer (a sync fails or times out: RATELIMIT_STORAGE_OPTIONS), each worker
-goes on counting alone: the limit holds per process, as with memory://, which the log says once
-and /readyz says while it lasts (counting()). The thread tries again every
-RATELIMIT_RETRY_INTERVAL seconds, and the first sync that succeeds adds the hits counted
-meanwhile to the windows still open. memory:// counts in each process only, with no thread:
-exact for the development server, the limit times the workers under gunicorn.
+The sync is inline, not on a thread of its own: a thread that wakes while the worker serves
+waits for the GIL, and each time the worker releases the GIL around a socket call the two trade
+wake-ups, which cost the worker a sixth of its CPU (docs/benchmarks.rst).
+
+A circuit breaker keeps a sick Redis off the request path: a sync that fails, or waits longer than
+RATELIMIT_STORAGE_OPTIONS' socket timeout (0.1 s), opens it, and the worker counts alone (the
+limit holds per process, as with memory://) until its next try, RATELIMIT_RETRY_INTERVAL later:
+one request a worker per interval waits out the timeout. The log says so once, /readyz says so
+while it lasts (counting()), and the first sync that succeeds adds the hits counted meanwhile to
+the windows still open. memory:// counts in each process only: exact for the development server,
+the limit times the workers under gunicorn.
 
 Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
-they count on the request path, a round trip per request, which cost a tenth of a worker's CPU
-and, with Redis hung, made every request wait out the socket timeout (issue "Degrade, don't
-stall"). `limits` still parses the limits and names the windows.
+they count on the request path, a round trip per request, a tenth of a worker's CPU, and with
+Redis hung every request waited out the socket timeout (issue "Degrade, don't stall"). `limits`
+still parses the limits and names the windows.
 """
 
 import math
@@ -41,7 +45,6 @@ import secrets
 import socket
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import redis
@@ -57,10 +60,8 @@ KEY_PREFIX = "animal-store"
 # Windows a worker counts at once, the least recently used dropped first; a key has one open
 # window per limit.
 KNOWN_WINDOWS = 10_000
-# An idle worker asks Redis whether it answers this often, so /readyz knows without asking.
+# /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
-# How long /readyz waits for a new worker's first word from Redis (its budget is 0.5 s).
-FIRST_CONTACT_WAIT = 0.25
 
 DEGRADED_SECONDS = Counter(
     "animal_store_rate_limit_degraded_seconds",
@@ -151,7 +152,7 @@ class RateLimiter:
     names one."""
 
     def __init__(self, config, logger):
-        self.logger = logger  # the app's: the sync thread runs outside any app context
+        self.logger = logger
         self.enabled = config["RATELIMIT_ENABLED"]
         self.uri = config["RATELIMIT_STORAGE_URI"]
         self.default = check_limit(config["RATE_LIMIT"])
@@ -166,13 +167,14 @@ class RateLimiter:
         self.parsed = {}
         # Each open window's tally by (budget, limit), until the window ends (cachetools).
         self.tallies = TLRUCache(KNOWN_WINDOWS, ttu=window_end, timer=time.time)
-        # Requests (on the development server's threads) and the sync thread share the tallies.
+        # The development server serves each request on a thread of its own.
         self.lock = threading.Lock()
         self.sync_lock = threading.Lock()
-        self.syncing_in = None  # the process whose thread syncs, once one was started
-        self.degraded_since = None  # when Redis last stopped answering, while it does not
-        self.last_contact = 0.0
-        self.first_contact = threading.Event()
+        self.next_sync = 0.0  # when (time.monotonic()) a request next syncs
+        self.last_contact = None  # when Redis last answered
+        # While Redis does not answer: until when the time degraded has been counted.
+        self.degraded_since = None
+        self.pid = self.worker = None  # this process, and its name in the windows' hashes
 
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
@@ -180,8 +182,8 @@ class RateLimiter:
         headers show. None when limiting is off."""
         if not self.enabled:
             return None
-        if self.redis is not None and self.syncing_in != os.getpid():
-            self.start_syncing()
+        if self.redis is not None and time.monotonic() >= self.next_sync:
+            self.sync()
         text = limit or self.default
         items = self.parsed.get(text)
         if items is None:
@@ -202,25 +204,18 @@ class RateLimiter:
                     return window
         return shown
 
-    def start_syncing(self) -> None:
-        """Start this process's sync thread (a gunicorn worker's own, after the fork)."""
-        with self.sync_lock:
-            if self.syncing_in == os.getpid():
-                return
-            self.syncing_in = os.getpid()
-            # This worker's name in the windows' hashes: each process's, and each app's.
-            self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-            # A weak reference: the thread ends with the app (tests make many).
-            thread = threading.Thread(
-                target=keep_syncing, args=(weakref.ref(self),), name="rate-limit-sync", daemon=True
-            )
-            thread.start()
-
     def sync(self) -> None:
-        """Add the hits counted here since the last sync to the shared counts, and read back
-        the totals and the windows' ends, also of the windows past half their limit, where other
-        workers' hits soon matter; only ask whether Redis answers when there are none."""
-        with self.sync_lock:
+        """Write this worker's counts to Redis and read back the totals and the windows' ends,
+        also of the windows past half their limit, where the other workers' hits soon matter;
+        with none, only ask whether Redis answers. While another thread syncs: nothing."""
+        if not self.sync_lock.acquire(blocking=False):
+            return
+        try:
+            started = time.monotonic()
+            self.next_sync = started + self.sync_interval
+            if self.pid != os.getpid():  # a process of its own, after a fork
+                self.pid = os.getpid()
+                self.worker = f"{socket.gethostname()}:{self.pid}:{secrets.token_hex(4)}"
             with self.lock:
                 batch = [
                     (tally, tally.mine, tally.mine > tally.synced)
@@ -228,28 +223,13 @@ class RateLimiter:
                     if tally.mine > tally.synced or 2 * tally.count >= tally.limit.amount
                 ]
             try:
-                if batch:
-                    answers = self.script(
-                        keys=[tally.storage_key for tally, _, _ in batch],
-                        args=[
-                            self.worker,
-                            *(
-                                value
-                                for tally, mine, news in batch
-                                for value in (mine if news else 0, tally.limit.get_expiry() * 1000)
-                            ),
-                        ],
-                    )
-                elif time.monotonic() - self.last_contact >= HEALTH_INTERVAL:
-                    self.redis.ping()
+                answers = self.ask(batch) if batch else self.redis.ping() and []
             except redis.RedisError as error:
-                self.lost_contact(error)  # told again, whole, at the next sync that succeeds
+                self.lost_contact(error, started)
                 return
             now = time.time()
             with self.lock:
-                for (tally, mine, _), (total, ttl_ms) in zip(
-                    batch, answers if batch else (), strict=True
-                ):
+                for (tally, mine, _), (total, ttl_ms) in zip(batch, answers, strict=True):
                     current = self.tallies.get(tally.key) is tally
                     if ttl_ms < 0 and current:  # the window ended everywhere: so it does here
                         del self.tallies[tally.key]
@@ -258,47 +238,48 @@ class RateLimiter:
                         tally.end = now + ttl_ms / 1000
                         self.tallies[tally.key] = tally  # its expiry moves with its end
             self.made_contact()
+        finally:
+            self.sync_lock.release()
+
+    def ask(self, batch) -> list:
+        args = [self.worker]
+        for tally, mine, news in batch:
+            args += (mine if news else 0, tally.limit.get_expiry() * 1000)
+        return self.script(keys=[tally.storage_key for tally, _, _ in batch], args=args)
 
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
         if self.degraded_since is not None:
-            DEGRADED_SECONDS.inc(time.monotonic() - self.degraded_since)
+            DEGRADED_SECONDS.inc(self.last_contact - self.degraded_since)
             self.degraded_since = None
             self.logger.warning("Rate limit storage answers again: counts are shared.")
-        self.first_contact.set()
 
-    def lost_contact(self, error: Exception) -> None:
+    def lost_contact(self, error: Exception, started: float) -> None:
+        # The breaker opens: no request tries Redis again before the retry interval has passed.
         now = time.monotonic()
+        self.next_sync = now + self.retry_interval
         if self.degraded_since is None:
             self.logger.error(
                 "Rate limit storage failed; each worker counts alone until it answers: %s", error
             )
-        else:
-            DEGRADED_SECONDS.inc(now - self.degraded_since)
+            self.degraded_since = started
+        DEGRADED_SECONDS.inc(now - self.degraded_since)
         self.degraded_since = now
-        self.first_contact.set()
 
     def state(self) -> str:
-        """Say how the limits are counted now: shared, per process, storage unreachable, off."""
+        """Say how the limits are counted now: shared, per process, storage unreachable or off;
+        asking Redis (within its socket timeout) only when no sync has told it lately."""
         if not self.enabled:
             return OFF
         if self.redis is None:
             return PER_PROCESS
-        if self.syncing_in != os.getpid():
-            self.start_syncing()
-        if not self.first_contact.wait(FIRST_CONTACT_WAIT):
-            return UNREACHABLE  # not answering within /readyz's budget is not answering
+        now = time.monotonic()
+        if self.degraded_since is not None:
+            if now >= self.next_sync:  # the breaker's next try, due: an idle worker's too
+                self.sync()
+        elif self.last_contact is None or now - self.last_contact >= HEALTH_INTERVAL:
+            self.sync()
         return UNREACHABLE if self.degraded_since is not None else SHARED
-
-
-def keep_syncing(limiter_ref) -> None:
-    """Sync every RATELIMIT_SYNC_INTERVAL seconds, or every RATELIMIT_RETRY_INTERVAL while
-    Redis does not answer, as long as the limiter lives."""
-    while (limiter := limiter_ref()) is not None:
-        limiter.sync()
-        pause = limiter.sync_interval if limiter.degraded_since is None else limiter.retry_interval
-        del limiter  # no strong reference while asleep
-        time.sleep(pause)
 
 
 def window_end(_key, tally: Tally, _now: float) -> float:
