@@ -27,11 +27,11 @@ wake-ups, which cost the worker a sixth of its CPU (docs/benchmarks.rst).
 
 A circuit breaker keeps a sick Redis off the request path: a sync that fails, or waits longer than
 RATELIMIT_STORAGE_OPTIONS' socket timeout (0.1 s), opens it, and the worker counts alone (the
-limit holds per process, as with memory://) until its next try, RATELIMIT_RETRY_INTERVAL later:
-one request a worker per interval waits out the timeout. The log says so once, /readyz says so
-while it lasts (counting()), and the first sync that succeeds adds the hits counted meanwhile to
-the windows still open. memory:// counts in each process only: exact for the development server,
-the limit times the workers under gunicorn.
+limit holds per process, as with memory://) until its next try, RATELIMIT_RETRY_INTERVAL later
+and twice as long after each failure, up to 4 s: one request a worker per interval waits out the
+timeout. The log says so once, /readyz says so while it lasts (counting()), and the first sync
+that succeeds adds the hits counted meanwhile to the windows still open. memory:// counts in each
+process only: exact for the development server, the limit times the workers under gunicorn.
 
 Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
 they count on the request path, a round trip per request, a tenth of a worker's CPU, and with
@@ -51,6 +51,8 @@ import redis
 from cachetools import TLRUCache
 from limits import RateLimitItem, parse_many
 from prometheus_client import Counter
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from animal_store import errors
 
@@ -60,6 +62,8 @@ KEY_PREFIX = "animal-store"
 # Windows a worker counts at once, the least recently used dropped first; a key has one open
 # window per limit.
 KNOWN_WINDOWS = 10_000
+# The breaker's retry interval doubles from RATELIMIT_RETRY_INTERVAL up to this (seconds).
+MAX_RETRY_INTERVAL = 4.0
 # /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
 
@@ -157,11 +161,15 @@ class RateLimiter:
         self.uri = config["RATELIMIT_STORAGE_URI"]
         self.default = check_limit(config["RATE_LIMIT"])
         self.sync_interval = float(config["RATELIMIT_SYNC_INTERVAL"])
-        self.retry_interval = float(config["RATELIMIT_RETRY_INTERVAL"])
+        self.retry_interval = self.retry_in = float(config["RATELIMIT_RETRY_INTERVAL"])
         self.redis = None
         if self.enabled and self.uri != "memory://":
             # Connects on first use, in the worker: a Redis that is down never stops the boot.
-            self.redis = redis.Redis.from_url(self.uri, **config["RATELIMIT_STORAGE_OPTIONS"])
+            # No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker
+            # is the retry, and theirs would multiply the wait of a request.
+            self.redis = redis.Redis.from_url(
+                self.uri, retry=Retry(NoBackoff(), 0), **config["RATELIMIT_STORAGE_OPTIONS"]
+            )
             self.script = self.redis.register_script(SYNC_SCRIPT)
         # A limit's text parsed once: a key's limit is read on every request.
         self.parsed = {}
@@ -249,15 +257,19 @@ class RateLimiter:
 
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
+        self.retry_in = self.retry_interval
         if self.degraded_since is not None:
             DEGRADED_SECONDS.inc(self.last_contact - self.degraded_since)
             self.degraded_since = None
             self.logger.warning("Rate limit storage answers again: counts are shared.")
 
     def lost_contact(self, error: Exception, started: float) -> None:
-        # The breaker opens: no request tries Redis again before the retry interval has passed.
+        # The breaker opens: no request tries Redis again before the retry interval has passed,
+        # which doubles with each failure up to MAX_RETRY_INTERVAL, so a Redis that stays hung
+        # costs a worker ever less, and one that answers again is found within that.
         now = time.monotonic()
-        self.next_sync = now + self.retry_interval
+        self.next_sync = now + self.retry_in
+        self.retry_in = min(2 * self.retry_in, max(MAX_RETRY_INTERVAL, self.retry_interval))
         if self.degraded_since is None:
             self.logger.error(
                 "Rate limit storage failed; each worker counts alone until it answers: %s", error
