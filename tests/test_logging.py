@@ -1,6 +1,7 @@
 """Request IDs and JSON log lines: shape, the request ID in every line, and never the key."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -118,3 +119,32 @@ def test_log_level_setting_filters_request_lines(make_app, capsys):
     capsys.readouterr()
     app.test_client().get("/healthz")
     assert capsys.readouterr().out == ""
+
+
+def test_a_handler_the_operator_adds_gets_the_request_lines(client, capsys):
+    # The line is written straight to stdout only while nothing else listens: an operator's
+    # handler receives the record, and stdout still gets the same line through logging.
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    collect = Collect()
+    logger = logging.getLogger("animal_store.request")
+    logger.addHandler(collect)
+    try:
+        capsys.readouterr()
+        client.get("/healthz", headers={"X-Request-ID": "req-3"})
+    finally:
+        logger.removeHandler(collect)
+    [record] = collect.records
+    assert (record.getMessage(), record.fields["path"], record.fields["status"]) == (
+        "request",
+        "/healthz",
+        200,
+    )
+    [line] = log_lines(capsys)
+    assert (line["path"], line["request_id"]) == ("/healthz", "req-3")
