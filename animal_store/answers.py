@@ -47,4 +47,5 @@ def answers() -> Answers:
 
 
 def json_response(body: bytes):
-    return current_app.response_class(body, mimetype="application/json")
+    # The type as it is sent: no mimetype to look a charset up for.
+    return current_app.response_class(body, content_type="application/json")

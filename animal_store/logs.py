@@ -109,18 +109,20 @@ def only_stdout_listens() -> bool:
 
 
 def request_fields(response) -> dict:
-    started = g.get("request_started")
-    api_key = g.get("api_key")
+    # The request and g looked up once each, not through their proxies at every field.
+    served, context = request._get_current_object(), g._get_current_object()
+    started = context.get("request_started")
+    api_key = context.get("api_key")
     fields = {
-        "method": request.method,
-        "path": request.path,
+        "method": served.method,
+        "path": served.path,
         "status": response.status_code,
         "duration_ms": round((time.perf_counter() - started) * 1000, 2) if started else None,
-        "remote_addr": request.remote_addr,
+        "remote_addr": served.remote_addr,
         # Which key, by its name and visible prefix; never the key or the Authorization header.
         "api_key_name": api_key.name if api_key else None,
-        "api_key_prefix": g.get("api_key_prefix"),
+        "api_key_prefix": context.get("api_key_prefix"),
     }
-    if request.query_string:
-        fields["query"] = request.query_string.decode("latin-1")
+    if served.query_string:
+        fields["query"] = served.query_string.decode("latin-1")
     return fields

@@ -101,7 +101,8 @@ class RequestMetrics:
         counted[1].observe(elapsed)
         if status == 429:
             RATE_LIMITED.inc()
-        if response.headers.get("Idempotent-Replayed") == "true":
+        # Only a creation is replayed: no other answer's headers are searched for the mark.
+        if request.method == "POST" and response.headers.get("Idempotent-Replayed") == "true":
             REPLAYS.inc()
         if reason := g.get("auth_failure"):
             AUTH_FAILURES.labels(reason).inc()
