@@ -10,15 +10,16 @@ The layer counts a request after its key is checked (api.Policies.admit), so onl
 counted.
 
 A request costs a local increment: each worker counts in its own memory and decides on the
-shared total it last read plus what it counted since. At most once every RATELIMIT_SYNC_INTERVAL
-seconds, the request that finds a sync due writes the worker's counts to Redis
-(RATELIMIT_STORAGE_URI) and reads back the totals, all of its open windows in one round trip, as
-Kong's `sync_rate` and APISIX's `sync_interval` do. So:
+shared total it last read plus what it counted since. The first request a worker serves once
+RATELIMIT_SYNC_INTERVAL seconds have passed since its last sync is counted, then writes the
+worker's counts to Redis (RATELIMIT_STORAGE_URI) and reads back the totals, all of its open
+windows in one round trip, as Kong's `sync_rate` and APISIX's `sync_interval` do, then decided.
+So:
 
 - one request in a sync interval pays a round trip, the others none;
-- a key may pass its limit by what it sends in one sync interval to each worker that serves it
-  (docs/operations.rst has the bound); an interval of 0 syncs on every request: exact, at a
-  round trip each;
+- a key may pass its limit by what it sends to each worker in one sync interval, since that is
+  what a worker may have admitted and not yet told (docs/operations.rst has the bound); an
+  interval of 0 syncs on every request: exact, at a round trip each;
 - a worker learns the window's end, when another opened it, at its first sync.
 
 The sync is inline, not on a thread of its own: a thread that wakes while the worker serves
@@ -187,17 +188,19 @@ class RateLimiter:
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
         its limits, the shortest window first, until one is exceeded; return the window the
-        headers show. None when limiting is off."""
+        headers show. None when limiting is off.
+
+        Counted here first, then synced if a sync is due, then decided: the sync carries this
+        request too, so with an interval of 0 every decision is on the exact shared count.
+        """
         if not self.enabled:
             return None
-        if self.redis is not None and time.monotonic() >= self.next_sync:
-            self.sync()
         text = limit or self.default
         items = self.parsed.get(text)
         if items is None:
             items = self.parsed[text] = sorted(parse_many(text))
         now = time.time()
-        shown = None
+        counted = []
         with self.lock:
             for item in items:
                 tally = self.tallies.get((budget, item))
@@ -205,11 +208,18 @@ class RateLimiter:
                     tally = Tally(budget, item, now + item.get_expiry())
                     self.tallies[tally.key] = tally
                 tally.mine += 1
-                count = tally.count
-                window = Window(item, max(0, item.amount - count), tally.end, count > item.amount)
-                shown = shown or window
-                if window.exceeded:
-                    return window
+                counted.append(tally)
+                if tally.count > item.amount:
+                    break
+        if self.redis is not None and time.monotonic() >= self.next_sync:
+            self.sync()
+        shown = None
+        for tally in counted:
+            count, amount = tally.count, tally.limit.amount
+            window = Window(tally.limit, max(0, amount - count), tally.end, count > amount)
+            if window.exceeded:
+                return window
+            shown = shown or window
         return shown
 
     def sync(self) -> None:
