@@ -356,6 +356,21 @@ def test_probe_running_past_its_deadline_holds_no_request_back(make_app, auth, c
     assert get(app, "/v1/pets", auth).status_code == 200
 
 
+def test_a_known_key_is_served_while_its_cache_entry_is_fresh_and_no_longer(
+    make_app, auth, cluster
+):
+    # docs/operations.rst, API keys: no serving on a stale entry, so a revoked key stops within
+    # KEY_CACHE_SECONDS, outage or not.
+    app = make_app(DATABASE_DEADLINE=1, KEY_CACHE_SECONDS=1.5)
+    pet = app.test_client().post("/v1/pets", headers=auth, json={"name": "Rex", "categoryId": 1})
+    path = f"/v1/pets/{pet.get_json()['id']}"
+    assert get(app, path, auth).status_code == 200  # the answer is kept, the key cached
+    cluster.freeze()
+    assert get(app, path, auth).status_code == 200  # needs no database
+    time.sleep(1.6)
+    assert get(app, path, auth).status_code == 503  # the key must be checked again
+
+
 def test_outside_a_request_the_database_has_no_deadline(make_app):
     # The command line and migrations may run long; statement_timeout still bounds them.
     app = make_app(DATABASE_DEADLINE=0.2)
