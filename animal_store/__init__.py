@@ -7,6 +7,7 @@ from flask import Flask
 from animal_store import health, openapi, pets
 from animal_store.api import register_api
 from animal_store.cli import register_commands
+from animal_store.deadlines import init_deadlines
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.hooks import register_hooks
 from animal_store.json_provider import OrjsonProvider
@@ -33,6 +34,7 @@ def create_app(test_config=None, resources=RESOURCES):
     db.init_app(app)
     tune_sqlite_connections(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
+    start_deadline = init_deadlines(app)
     policies = register_api(app, resources)
     app.register_blueprint(health.bp)
     register_commands(app)
@@ -41,7 +43,7 @@ def create_app(test_config=None, resources=RESOURCES):
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, metrics.begin),
+        before=(start_timer, *start_deadline, metrics.begin),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),

@@ -13,15 +13,23 @@ MAX_CONTENT_LENGTH = 64 * 1024
 SQLITE_BUSY_TIMEOUT = 5.0
 
 # pool_pre_ping: a pooled connection the database dropped (restart, failover) is replaced before
-# use, so the service recovers from an outage by itself.
+# use, so the service recovers from an outage by itself. (On PostgreSQL deadlines.py makes that
+# check instead, within the request's deadline.)
 SQLALCHEMY_ENGINE_OPTIONS = {"pool_pre_ping": True}
 
-# PostgreSQL only, so an unreachable or stuck database answers 503 within a bounded time:
-# seconds to open a connection (libpq connect_timeout; 2 is its minimum), ...
+# PostgreSQL only: seconds after its start by which a request's database work is over, the
+# database answering or not; then the request is answered 503 (animal_store/deadlines.py). Well
+# under gunicorn's 30 s timeout, which nginx's proxy_read_timeout outlasts (docs/deploy.rst).
+DATABASE_DEADLINE = 5
+# The server's and libpq's own limits, none longer than the deadline, for the command line
+# (which has no deadline) and for a server that is alive: seconds to open a connection (libpq
+# connect_timeout; 2 is its minimum; a request waits only what its deadline has left), ...
 DATABASE_CONNECT_TIMEOUT = 3
-# ... seconds one statement may run before the server cancels it, ...
-DATABASE_STATEMENT_TIMEOUT = 10
-# ... and seconds a request waits for a free pooled connection.
+# ... seconds one statement may run before the server cancels it, keeping the connection: shorter
+# than the deadline, so a slow statement on a live server is cancelled rather than cut, ...
+DATABASE_STATEMENT_TIMEOUT = 4
+# ... and seconds a request waits for a free pooled connection (only a threaded server ever
+# waits: a sync worker serves one request at a time, with connections to spare).
 DATABASE_POOL_TIMEOUT = 5
 # Bytes of answers each worker keeps to send again (animal_store/answers.py): an animal's, a full
 # page's; 0 keeps none.
@@ -63,8 +71,9 @@ IDEMPOTENCY_LEASE = 60
 # Share of requests with a key that also delete the expired keys (flask idempotency purge too).
 IDEMPOTENCY_PURGE_CHANCE = 0.01
 
-# /readyz gives the database this many seconds (PostgreSQL statement_timeout) to answer SELECT 1.
-READYZ_TIMEOUT = 2.0
+# /readyz gives PostgreSQL this many seconds to answer SELECT 1 (its own, shorter deadline), so
+# the probe answers within half a second whatever hangs.
+READYZ_TIMEOUT = 0.3
 # When the database cannot be reached or written (any request, /readyz too), the 503 asks the
 # client to retry after this many seconds.
 DATABASE_RETRY_AFTER = 5

@@ -66,11 +66,15 @@ def database_uri(app) -> str:
 
 
 def engine_options(app) -> dict:
-    """Add PostgreSQL's time limits, so an unreachable or stuck database means a quick 503."""
+    """Add PostgreSQL's time limits, so an unreachable or stuck database means a quick 503
+    (with the request's deadline, deadlines.py)."""
     options = dict(app.config["SQLALCHEMY_ENGINE_OPTIONS"])
     if not app.config["SQLALCHEMY_DATABASE_URI"].startswith("postgresql"):
         return options
     options.setdefault("pool_timeout", app.config["DATABASE_POOL_TIMEOUT"])
+    # SQLAlchemy pings before any pool event, where no deadline reaches: deadlines.py pings on
+    # checkout instead, once the connection is watched.
+    options["pool_pre_ping"] = False
     connect_args = dict(options.get("connect_args", {}))
     connect_args.setdefault("connect_timeout", app.config["DATABASE_CONNECT_TIMEOUT"])
     if app.config["DATABASE_BEHIND_PGBOUNCER"]:

@@ -10,12 +10,17 @@ change, say) in the same run, alternating, and the ratios are printed:
     python benchmarks/in_process.py --against /tmp/before
 
 Rate limiting is on (memory storage) with a limit no run reaches; the request log is off, as it
-writes to stdout (benchmarks/http_bench.py measures with everything on).
+writes to stdout (benchmarks/http_bench.py measures with everything on). With --database-url, on
+that database instead (PostgreSQL: an empty database of yours; each run migrates and seeds it):
+
+    python benchmarks/in_process.py --against /tmp/before \
+        --database-url postgresql://postgres@127.0.0.1:5432/bench
 """
 
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,16 +37,19 @@ def main():
     parser.add_argument("--against", type=Path, help="another checkout to measure in the same run")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
     parser.add_argument("--animals", type=int, default=1000, help="animals seeded (1000)")
+    parser.add_argument("--database-url", help="the database (default: a fresh SQLite file)")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.animals)))
+        print(json.dumps(measure(args.measure, args.animals, args.database_url)))
         return
     checkouts = {"this": PROJECT_DIR, **({"against": args.against} if args.against else {})}
     figures = {name: [] for name in checkouts}
     for round_number in range(1, args.rounds + 1):
         for name, checkout in checkouts.items():
             command = [sys.executable, __file__, "--measure", str(checkout)]
+            if args.database_url:
+                command += ["--database-url", args.database_url]
             result = subprocess.run(
                 [*command, "--animals", str(args.animals)],
                 capture_output=True,
@@ -63,7 +71,7 @@ def main():
         print(line)
 
 
-def measure(checkout: Path, animals: int) -> dict:
+def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
     """Return CPU µs per request for each operation, the app imported from `checkout`."""
     sys.path.insert(0, str(checkout))
     from flask_migrate import upgrade
@@ -76,7 +84,7 @@ def measure(checkout: Path, animals: int) -> dict:
 
     database = Path(tempfile.mkdtemp()) / "store.sqlite3"
     settings = {
-        "DATABASE_URL": f"sqlite:///{database}",
+        "DATABASE_URL": database_url or f"sqlite:///{database}",
         "LOG_LEVEL": "WARNING",
         "RATE_LIMIT": "100000000 per minute",
     }
@@ -84,7 +92,7 @@ def measure(checkout: Path, animals: int) -> dict:
     with app.app_context():
         upgrade()
         seed_pets(animals)
-        _, key = issue_key("benchmark")
+        _, key = issue_key(f"benchmark-{os.getpid()}")  # unique on a reused database
         db.session.commit()
     auth = {"Authorization": f"Bearer {key}"}
     environs = {

@@ -72,7 +72,10 @@ class PgBouncer:
         (self.directory / "pgbouncer.ini").write_text(config)
         for path in self.directory.iterdir():
             path.chmod(0o644)
-        self.url = server_url.set(host="127.0.0.1", port=self.port, username=role, password=None)
+        # The database by its [databases] name above, whatever the server's is called.
+        self.url = server_url.set(
+            host="127.0.0.1", port=self.port, username=role, password=None, database="test"
+        )
         self.process = subprocess.Popen(
             [PGBOUNCER, str(self.directory / "pgbouncer.ini")],
             stdout=subprocess.DEVNULL,

@@ -1,0 +1,249 @@
+"""The database deadline: a request's PostgreSQL work ends within DATABASE_DEADLINE of its start,
+whatever the server does, and the request is answered 503 `service_unavailable` then.
+
+A server that hangs (its processes stopped, a stalled host, a partition) accepts and answers
+nothing, and the usual limits do not end the wait: it never enforces its own statement_timeout,
+the kernel of a live host still acknowledges every TCP segment so tcp_user_timeout and keepalives
+never fire, and libpq's connect_timeout covers only connecting. So the client keeps its own:
+
+- A watchdog thread per process knows each connection a request has checked out of the pool and
+  the request's deadline. Past it, it shuts the connection's socket down: the call blocked on it
+  fails at once with OperationalError, SQLAlchemy invalidates the connection, and the outage
+  handler answers 503 (errors.handle_database_outage). The thread sleeps until the earliest
+  deadline it knows: a healthy request costs it no wake-up.
+- The pool's pre-ping runs before any pool event, out of reach of a deadline, so the ping is made
+  here, in the checkout event, once the connection is watched (settings.py turns pool_pre_ping
+  off on PostgreSQL).
+- A connection opened for a request is waited for only as long as the deadline has left: libpq
+  will not time out sooner than 2 s, so the attempt runs in a thread of its own and a late one is
+  closed when it arrives.
+- After a request ran past its deadline, the process sends no request to the database for
+  RETRY_INTERVAL (Backoff): those are answered 503 at once instead of each waiting out its
+  deadline while the requests queued behind it wait too. The next request after that tries again.
+
+Outside a request (the command line, migrations) nothing is watched: a command's time is its
+operator's, and the server's statement_timeout and libpq's connect_timeout still apply.
+"""
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimedOut
+
+from flask import g, has_app_context
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+
+from animal_store.extensions import db
+
+# Seconds after a deadline passed during which the process answers 503 without trying.
+RETRY_INTERVAL = 1.0
+# Threads opening connections for requests short of time; an abandoned attempt holds one for
+# at most DATABASE_CONNECT_TIMEOUT.
+CONNECTING_THREADS = 4
+
+LOG = logging.getLogger("animal_store.deadlines")
+
+
+class DeadlinePassed(sa_exc.TimeoutError):
+    """The request's database deadline passed, or a recent one did: errors.is_database_outage
+    counts it as an outage (a TimeoutError, as the pool's own)."""
+
+
+class Backoff:
+    """An engine's last missed deadline: until RETRY_INTERVAL has passed, or a connection has
+    answered, its requests are answered 503 without trying."""
+
+    def __init__(self):
+        self.missed_at = None
+
+    def miss(self) -> None:
+        self.missed_at = time.monotonic()
+
+    def clear(self) -> None:
+        self.missed_at = None
+
+    def holds(self, now: float) -> bool:
+        missed_at = self.missed_at
+        return missed_at is not None and now - missed_at < RETRY_INTERVAL
+
+
+class Watchdog:
+    """The connections requests hold, each with its deadline, and the thread that cuts them."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        # Connection record -> (DBAPI connection, deadline, the Backoff a miss counts toward:
+        # None for a probe).
+        self.held = {}
+        # When the thread wakes next; None: it sleeps until a connection is held.
+        self.alarm = None
+        self.thread = None
+        self.connecting = None
+
+    def hold(self, record, connection, deadline: float, backoff: Backoff | None) -> None:
+        with self.lock:
+            self.held[record] = (connection, deadline, backoff)
+            if self.alarm is None or deadline < self.alarm:
+                self.alarm = deadline
+                if self.thread is None:
+                    self.thread = threading.Thread(
+                        target=self.watch, name="database-deadlines", daemon=True
+                    )
+                    self.thread.start()
+                else:
+                    self.wake.notify()
+
+    def release(self, record) -> None:
+        # Never wakes the thread: it finds the connection gone when its alarm rings.
+        with self.lock:
+            self.held.pop(record, None)
+
+    def watch(self) -> None:
+        with self.lock:
+            while True:
+                now = time.monotonic()
+                for record, (connection, deadline, backoff) in list(self.held.items()):
+                    if deadline <= now:
+                        del self.held[record]
+                        cut(connection)
+                        if backoff is not None:
+                            backoff.miss()
+                        LOG.warning("Cut a database connection its request held past its deadline")
+                if self.alarm is not None and self.alarm <= now:
+                    self.alarm = min((entry[1] for entry in self.held.values()), default=None)
+                self.wake.wait(None if self.alarm is None else self.alarm - now)
+
+    def connect_within(self, connect, seconds: float, backoff: Backoff | None):
+        """Return connect()'s connection, or raise DeadlinePassed after `seconds`."""
+        with self.lock:
+            if self.connecting is None:
+                self.connecting = ThreadPoolExecutor(CONNECTING_THREADS, "database-connect")
+        attempt = self.connecting.submit(connect)
+        try:
+            return attempt.result(timeout=seconds)
+        except WaitTimedOut:
+            if not attempt.cancel():
+                attempt.add_done_callback(close_late_connection)
+            if backoff is not None:
+                backoff.miss()
+            raise DeadlinePassed("No database connection within the request's deadline") from None
+
+
+def cut(connection) -> None:
+    """Shut down the socket of a psycopg connection, from any thread.
+
+    shutdown(), not close(): the descriptor stays libpq's, which notices the dead socket and fails
+    the call it is blocked in, closing the descriptor itself. On a duplicate, so that closing our
+    socket object leaves libpq's descriptor alone."""
+    with contextlib.suppress(Exception):  # already closed, or broken some other way
+        duplicate = socket.socket(fileno=os.dup(connection.pgconn.socket))
+        with duplicate:
+            duplicate.shutdown(socket.SHUT_RDWR)
+
+
+def close_late_connection(attempt) -> None:
+    if attempt.exception() is None:
+        with contextlib.suppress(Exception):
+            attempt.result().close()
+
+
+WATCHDOG = Watchdog()
+
+
+def forget_after_fork() -> None:
+    # A forked child has no threads but the one that forked, and the parent's connections are
+    # not its to cut.
+    global WATCHDOG
+    WATCHDOG = Watchdog()
+
+
+os.register_at_fork(after_in_child=forget_after_fork)
+
+
+def request_deadline(backoff: Backoff) -> tuple[float, Backoff | None] | None:
+    """Return this request's deadline and the Backoff a miss counts toward (None for a probe);
+    None outside a request. Raise DeadlinePassed when the request may not use the database."""
+    if not has_app_context():
+        return None
+    deadline = g.get("database_deadline")
+    if deadline is None:
+        return None
+    now = time.monotonic()
+    if now >= deadline:
+        raise DeadlinePassed("The request's database deadline has passed")
+    if g.get("database_probe", False):
+        # /readyz tries anyway, to tell the truth; its own deadline is short.
+        return deadline, None
+    if backoff.holds(now):
+        raise DeadlinePassed("A request ran past its database deadline moments ago")
+    return deadline, backoff
+
+
+def shorten_deadline(seconds: float) -> None:
+    """Give the rest of this request's database work at most `seconds`, as a probe: running past
+    them makes no other request wait (/readyz)."""
+    deadline = time.monotonic() + seconds
+    g.database_deadline = min(g.get("database_deadline", deadline), deadline)
+    g.database_probe = True
+
+
+def init_deadlines(app) -> tuple:
+    """Watch the app's PostgreSQL connections; return the steps that start each request's
+    deadline (hooks.py): none on SQLite, which needs none (docs/operations.rst)."""
+    with app.app_context():
+        engine = db.engine
+    if engine.dialect.name != "postgresql":
+        return ()
+    seconds = app.config["DATABASE_DEADLINE"]
+    connect_timeout = app.config["DATABASE_CONNECT_TIMEOUT"]
+    dialect = engine.dialect
+    backoff = Backoff()
+
+    @event.listens_for(engine, "do_connect")
+    def connect_within_deadline(_dialect, record, cargs, cparams):
+        deadline = request_deadline(backoff)
+        if deadline is None:
+            return None  # SQLAlchemy connects, within libpq's connect_timeout
+        left = deadline[0] - time.monotonic()
+        connection = WATCHDOG.connect_within(
+            lambda: dialect.connect(*cargs, **cparams), min(left, connect_timeout), deadline[1]
+        )
+        # Watched from now on: a new engine's first connection runs SQLAlchemy's first queries
+        # (the server's version...) before the checkout event.
+        WATCHDOG.hold(record, connection, *deadline)
+        return connection
+
+    @event.listens_for(engine, "connect")
+    def fresh(_connection, record):
+        record.info["fresh"] = True
+
+    @event.listens_for(engine, "checkout")
+    def watch_and_ping(connection, record, _proxy):
+        deadline = request_deadline(backoff)
+        if deadline is not None:
+            WATCHDOG.hold(record, connection, *deadline)
+        if record.info.pop("fresh", False):
+            backoff.clear()  # it has just answered
+            return
+        try:
+            dialect.do_ping(connection)
+        except dialect.loaded_dbapi.Error as error:
+            # A connection the server dropped (restart, failover) or the watchdog cut: the pool
+            # replaces it, within what is left of the deadline (do_connect above).
+            raise sa_exc.DisconnectionError() from error
+        backoff.clear()
+
+    @event.listens_for(engine, "checkin")
+    def unwatch(_connection, record):
+        WATCHDOG.release(record)
+
+    def start_deadline() -> None:
+        g.database_deadline = time.monotonic() + seconds
+
+    return (start_deadline,)
