@@ -25,7 +25,8 @@ def readyz():
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
     "per process" (each worker counts apart), "storage unreachable" (each worker counts apart
     until Redis answers again: the status is then "degraded") or "off". None of them makes the
-    instance unready: it serves either way, and the answer never waits on Redis.
+    instance unready: it serves either way, and Redis costs the answer its socket timeout (0.1 s)
+    at most.
     """
     try:
         check_database()
