@@ -165,6 +165,15 @@ TOO_MANY_REQUESTS = ErrorKind(
     "This API key made too many requests in the current window.",
     ("Retry-After",),
 )
+TOO_MANY_AUTH_FAILURES = ErrorKind(
+    429,
+    "too_many_requests",
+    "Too many requests without a valid API key from this address: the limit is {limit}; "
+    "see Retry-After.",
+    "The client's address sent too many requests without a valid API key in the current "
+    "window; a key the server knows valid is still served.",
+    ("Retry-After",),
+)
 HEADERS_TOO_LARGE = ErrorKind(
     431,
     "request_header_fields_too_large",
