@@ -300,9 +300,13 @@ def start_nginx(tmp_path, certificate):
         pytest.skip("nginx is not installed (Debian: nginx)")
     servers = []
 
-    def start(upstreams, proxy_read_timeout=None):
+    def start(upstreams, proxy_read_timeout=None, limit_conn=None):
         server = Nginx(
-            tmp_path / f"nginx-{len(servers)}", upstreams, *certificate, proxy_read_timeout
+            tmp_path / f"nginx-{len(servers)}",
+            upstreams,
+            *certificate,
+            proxy_read_timeout,
+            limit_conn=limit_conn,
         )
         servers.append(server)
         return server.wait_until_serving()

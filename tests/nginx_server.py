@@ -109,9 +109,18 @@ def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
     return result
 
 
-def render(directory, upstreams, certificate, key, proxy_read_timeout=None, upstream_keepalive=0):
+def render(
+    directory,
+    upstreams,
+    certificate,
+    key,
+    proxy_read_timeout=None,
+    upstream_keepalive=0,
+    limit_conn=None,
+):
     """Return the shipped config with the test's upstreams, loopback ports and files; with
-    `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks)."""
+    `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks);
+    with `limit_conn`, that cap on an address's requests at once instead of the shipped one."""
     config = SHIPPED_CONFIG.read_text()
     servers = "".join(
         f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
@@ -134,6 +143,13 @@ def render(directory, upstreams, certificate, key, proxy_read_timeout=None, upst
         config = substitute(
             r"^    proxy_read_timeout \S+;",
             f"    proxy_read_timeout {proxy_read_timeout};",
+            config,
+            1,
+        )
+    if limit_conn is not None:
+        config = substitute(
+            r"^    limit_conn animal_store_addresses \d+;",
+            f"    limit_conn animal_store_addresses {limit_conn};",
             config,
             1,
         )
@@ -167,11 +183,18 @@ class Nginx:
         proxy_read_timeout=None,
         upstream_keepalive=0,
         worker_processes=1,
+        limit_conn=None,
     ):
         self.directory = directory
         directory.mkdir(parents=True)
         config, self.http_port, self.https_port = render(
-            directory, upstreams, certificate, key, proxy_read_timeout, upstream_keepalive
+            directory,
+            upstreams,
+            certificate,
+            key,
+            proxy_read_timeout,
+            upstream_keepalive,
+            limit_conn,
         )
         (directory / "animal-store.conf").write_text(config)
         # Worker processes started by root default to user nobody, who cannot enter pytest's
