@@ -117,10 +117,12 @@ def render(
     proxy_read_timeout=None,
     upstream_keepalive=0,
     limit_conn=None,
+    uncapped=(),
 ):
     """Return the shipped config with the test's upstreams, loopback ports and files; with
     `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks);
-    with `limit_conn`, that cap on an address's requests at once instead of the shipped one."""
+    with `limit_conn`, that cap on an address's requests at once instead of the shipped one, and
+    the `uncapped` addresses listed as never capped."""
     config = SHIPPED_CONFIG.read_text()
     servers = "".join(
         f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
@@ -153,6 +155,9 @@ def render(
             config,
             1,
         )
+    if uncapped:
+        listed = "".join(f"    {address} 1;\n" for address in uncapped)
+        config = substitute(r"^    # 192\.0\.2\.7 1;\n", listed, config, 1)
     if upstream_keepalive:
         config = substitute(
             r"^(upstream animal_store \{\n(?:    server .*\n)+)",
@@ -184,6 +189,7 @@ class Nginx:
         upstream_keepalive=0,
         worker_processes=1,
         limit_conn=None,
+        uncapped=(),
     ):
         self.directory = directory
         directory.mkdir(parents=True)
@@ -195,6 +201,7 @@ class Nginx:
             proxy_read_timeout,
             upstream_keepalive,
             limit_conn,
+            uncapped,
         )
         (directory / "animal-store.conf").write_text(config)
         # Worker processes started by root default to user nobody, who cannot enter pytest's

@@ -299,3 +299,16 @@ def test_nginx_caps_an_addresss_requests_at_once_with_the_catalogue_429(
         time.sleep(0.05)
     assert status == 502
     assert 'limiting connections by zone "animal_store_addresses"' in nginx.error_log()
+
+
+def test_an_uncapped_address_is_never_refused_by_nginx(start_nginx, certificate):
+    # The operator's way to lift the cap for a known address: config/nginx.conf's geo block.
+    nginx = start_nginx([f"127.0.0.1:{free_port()}"], limit_conn=1, uncapped=["127.0.0.0/8"])
+    port, ca_file = nginx.https_port, certificate[0]
+    held = [tls_connection(port, ca_file, "http/1.1") for _ in range(2)]
+    for connection in held:
+        connection.sendall(HELD_POST)
+    time.sleep(0.2)
+    assert http1_get(port, ca_file)[0] == 502  # served: nginx finds no upstream
+    for connection in held:
+        connection.close()
