@@ -10,6 +10,7 @@ from cachetools import TTLCache
 from flask import current_app, g, request
 
 from animal_store import errors, store
+from animal_store.auth_failures import AuthFailures
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
@@ -115,6 +116,13 @@ def key_cache() -> KeyCache:
     return cache
 
 
+def auth_failures() -> AuthFailures | None:
+    """Return the app's count of failed key checks by address (auth_failures.py): past its
+    budget, a request without a key this worker knows valid is refused 429 before any look-up.
+    Asked only once a check is failing or must go to the database."""
+    return current_app.extensions.get("animal_store_auth_failures")
+
+
 def presented_key() -> str | None:
     """Return the key from `Authorization: Bearer <key>`; the scheme is case-insensitive."""
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
@@ -126,12 +134,10 @@ def presented_key() -> str | None:
 def authenticate(scope: str) -> CachedKey:
     """Let the request through only with a valid key, unrevoked, unexpired and with `scope`, and
     return what is known of it; runs before everything else."""
-    # Failed checks count against the client's address; past its budget, a request without a
-    # key this worker knows valid is refused 429 before any look-up (auth_failures.py).
-    failures = current_app.extensions.get("animal_store_auth_failures")
     key = presented_key()
     if key is None:
         g.auth_failure = "missing"  # for the metrics (metrics.py)
+        failures = auth_failures()
         if failures is not None:
             failures.check(None)
             failures.failed(None, looked_up=False)
@@ -140,6 +146,7 @@ def authenticate(scope: str) -> CachedKey:
     cache = key_cache()
     entry = cache.get(key_hash)
     if entry is None:
+        failures = auth_failures()
         if failures is not None:
             failures.check(key_hash)
         missing = failures is not None and failures.known_missing(key_hash)
@@ -160,6 +167,7 @@ def authenticate(scope: str) -> CachedKey:
     if entry.expired(now):
         # Cached or not, an expired key is refused from the moment it expires.
         g.auth_failure = "expired"
+        failures = auth_failures()
         if failures is not None:
             failures.check(key_hash)
             failures.failed(key_hash, looked_up=False)

@@ -7,7 +7,8 @@ Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining
 RateLimit-Reset (seconds until the window resets).
 
 The layer counts a request after its key is checked (api.Policies.admit), so only known keys are
-counted.
+counted. A failed check counts against the client's address instead, in this same limiter
+(auth_failures.py: the budget "address:<address>", the limit AUTH_FAILURE_LIMIT).
 
 A request costs a local increment: each worker counts in its own memory and decides on the
 shared total it last read plus what it counted since. The first request a worker serves once
