@@ -231,11 +231,12 @@ class RateLimiter:
     def exceeded(self, budget: str, limit: str) -> Window | None:
         """Return the first of the budget's windows whose limit its count has reached, without
         counting this request: the next hit there would be over. None when limiting is off or
-        each window has room."""
+        each window has room.
+
+        On the counts as this worker last knew them, with no sync: a sync here, before a
+        count() that opens a window, would leave that window unsynced until the next one."""
         if not self.enabled:
             return None
-        if self.redis is not None and time.monotonic() >= self.next_sync:
-            self.sync()
         with self.lock:
             for item in self.items(limit):
                 tally = self.tallies.get((budget, item))
