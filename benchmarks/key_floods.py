@@ -107,7 +107,7 @@ def main():
         scans = api_key_scans(args.database_url) - scans_before
         answered = {status: answers(metrics, status) / args.duration for status in ("401", "429")}
         look_ups = scans / args.scans_per_look_up / args.duration
-        print(f"{name:<10} {answered['401']:>8.0f} {answered['429']:>8.0f} {look_ups:>11.0f}")
+        print(f"{name:<10} {answered['401']:>8.0f} {answered['429']:>8.0f} {look_ups:>11.1f}")
 
 
 def parse_args():
