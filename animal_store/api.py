@@ -31,6 +31,7 @@ from webargs.flaskparser import FlaskParser
 
 from animal_store import errors, rate_limits
 from animal_store.auth import authenticate
+from animal_store.auth_failures import init_auth_failures
 from animal_store.body import BODY_ERRORS, json_object_body
 from animal_store.schemas import EnumField, ErrorSchema, Int64
 
@@ -119,6 +120,7 @@ LAYER_ERRORS = (
     errors.MISSING_SCOPE,
     errors.METHOD_NOT_ALLOWED,
     errors.TOO_MANY_REQUESTS,
+    errors.TOO_MANY_AUTH_FAILURES,
     errors.INTERNAL_ERROR,
     errors.DATABASE_UNAVAILABLE,
 )
@@ -327,8 +329,9 @@ class Policies:
         """Answer OPTIONS, which never needs a key; check the key of a request that does, then
         count the request against the key's rate limit.
 
-        Checked first, then counted: a request without a valid key counts against nothing. A
-        hook of the layer's blueprint: it runs for the layer's views only.
+        Checked first, then counted: a request without a valid key counts against no key's
+        budget, only against its address's failures (auth_failures.py). A hook of the layer's
+        blueprint: it runs for the layer's views only.
         """
         if request.method == "OPTIONS":
             # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
@@ -417,6 +420,7 @@ def register_api(app, resources) -> Policies:
         api.spec.components.schema(enum.component, enum.component_schema())
 
     policies = Policies(rate_limits.init_rate_limits(app))
+    init_auth_failures(app, policies.limiter)
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
     layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)

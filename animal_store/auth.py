@@ -10,6 +10,7 @@ from cachetools import TTLCache
 from flask import current_app, g, request
 
 from animal_store import errors, store
+from animal_store.auth_failures import AuthFailures
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
@@ -76,6 +77,9 @@ class CachedKey:
     expires_at: datetime | None  # this key's: a replaced key's grace ends it sooner
     last_used_at: datetime | None
 
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
 
 class KeyCache:
     """Valid keys by hash, per process: most requests are authenticated without a query.
@@ -112,6 +116,13 @@ def key_cache() -> KeyCache:
     return cache
 
 
+def auth_failures() -> AuthFailures | None:
+    """Return the app's count of failed key checks by address (auth_failures.py): past its
+    budget, a request without a key this worker knows valid is refused 429 before any look-up.
+    Asked only once a check is failing or must go to the database."""
+    return current_app.extensions.get("animal_store_auth_failures")
+
+
 def presented_key() -> str | None:
     """Return the key from `Authorization: Bearer <key>`; the scheme is case-insensitive."""
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
@@ -126,23 +137,40 @@ def authenticate(scope: str) -> CachedKey:
     key = presented_key()
     if key is None:
         g.auth_failure = "missing"  # for the metrics (metrics.py)
+        failures = auth_failures()
+        if failures is not None:
+            failures.check(None)
+            failures.failed(None, looked_up=False)
         raise errors.UNAUTHORIZED(headers={"WWW-Authenticate": REALM})
     key_hash = hash_key(key)
     cache = key_cache()
     entry = cache.get(key_hash)
     if entry is None:
-        entry = look_up_key(key_hash)
+        failures = auth_failures()
+        if failures is not None:
+            failures.check(key_hash)
+        missing = failures is not None and failures.known_missing(key_hash)
+        entry = None if missing else look_up_key(key_hash)
         if entry is None:
-            # Unknown and revoked keys are never cached: each such request asks the database.
+            # Unknown and revoked keys are not in the key cache: a worker remembers them only
+            # KEY_MISS_CACHE_SECONDS, as misses.
             g.auth_failure = "invalid"
+            if failures is not None:
+                failures.failed(key_hash, looked_up=not missing)
             raise errors.INVALID_KEY(
                 headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'}
             )
+        if failures is not None and not entry.expired(datetime.now(UTC)):
+            failures.found_valid(key_hash)
         cache.put(key_hash, entry)
     now = datetime.now(UTC)
-    if entry.expires_at is not None and now >= entry.expires_at:
+    if entry.expired(now):
         # Cached or not, an expired key is refused from the moment it expires.
         g.auth_failure = "expired"
+        failures = auth_failures()
+        if failures is not None:
+            failures.check(key_hash)
+            failures.failed(key_hash, looked_up=False)
         raise errors.INVALID_KEY(headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
     # Its name for the logs and its id for the Idempotency-Keys, which are scoped to it; the
     # visible prefix of the key presented (a rotated key's old one in its grace has its own).

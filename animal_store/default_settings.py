@@ -112,6 +112,20 @@ RATELIMIT_RETRY_INTERVAL = 1.0
 # would stop the boot.)
 RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.1, "socket_timeout": 0.1}
 
+# Failed key checks (no key, or a wrong, revoked or expired one) per client address, the one
+# TRUSTED_PROXIES makes it, counted with the rate limits (RATELIMIT_*: shared through Redis); past
+# it, the address's requests without a key the worker knows valid are answered 429 before any
+# database look-up (auth_failures.py). No honest client fails 300 times a minute. None: off.
+AUTH_FAILURE_LIMIT = "300 per minute"
+# Addresses and networks whose failures are never limited, e.g. ["192.0.2.7", "10.0.0.0/8"]: a
+# gateway many clients share. A malformed entry stops the boot.
+AUTH_FAILURE_EXEMPT = []
+# Seconds a worker remembers a key its look-up did not find, refusing it again without a query;
+# a key that became valid after it was tried is refused that long at most (0: never remembered).
+KEY_MISS_CACHE_SECONDS = 5
+# Such keys each worker remembers at most; the oldest are dropped first.
+KEY_MISS_CACHE_SIZE = 4096
+
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.
 # ANIMAL_STORE_CORS_ORIGINS='["https://shop.example"]'. Empty: no CORS headers at all.
 CORS_ORIGINS = []

@@ -165,6 +165,22 @@ TOO_MANY_REQUESTS = ErrorKind(
     "This API key made too many requests in the current window.",
     ("Retry-After",),
 )
+TOO_MANY_AUTH_FAILURES = ErrorKind(
+    429,
+    "too_many_requests",
+    "Too many requests without a valid API key from this address: the limit is {limit}; "
+    "see Retry-After.",
+    "The client's address sent too many requests without a valid API key in the current "
+    "window; a key the server knows valid is still served.",
+    ("Retry-After",),
+)
+TOO_MANY_CONNECTIONS = ErrorKind(
+    429,
+    "too_many_requests",
+    "Too many requests at once from this address; see Retry-After.",
+    "The client's address has too many requests in progress at once (answered by nginx).",
+    ("Retry-After",),
+)
 HEADERS_TOO_LARGE = ErrorKind(
     431,
     "request_header_fields_too_large",
@@ -366,14 +382,19 @@ def register_error_handlers(app):
 
 
 # What nginx answers itself (config/nginx.conf, error_page), by the status it answers with.
-NGINX_ANSWERS = (400, 413, 414, 431, 500, 502, 503, 504)
+NGINX_ANSWERS = (400, 413, 414, 429, 431, 500, 502, 503, 504)
+# nginx's own kind where it is not the app's kind of the status: its 429 is limit_conn's.
+NGINX_KINDS = {**KIND_OF_STATUS, 429: TOO_MANY_CONNECTIONS}
+# Retry-After of nginx's answers that carry one: limit_conn's 429 frees as soon as one of the
+# address's requests ends; the others are outages, retried as the app's 503 asks.
+NGINX_RETRY_AFTER = {429: 1}
 
 
 def nginx_error_locations(config) -> str:
     """Return config/nginx.conf's error bodies, the catalogue's, as its `location` blocks."""
     blocks = []
     for status in NGINX_ANSWERS:
-        kind = KIND_OF_STATUS[status]
+        kind = NGINX_KINDS[status]
         message = kind.message.format(limit=config["MAX_CONTENT_LENGTH"])
         body = orjson.dumps(error_body(kind, message)).decode()
         lines = [f"        location = /errors/{status}.json {{"]
@@ -381,7 +402,7 @@ def nginx_error_locations(config) -> str:
             # An add_header here replaces the outer ones, so X-Request-ID and nosniff are repeated.
             lines.append("            add_header X-Request-ID $animal_store_request_id always;")
             lines.append("            add_header X-Content-Type-Options nosniff always;")
-            retry_after = config["DATABASE_RETRY_AFTER"]
+            retry_after = NGINX_RETRY_AFTER.get(status, config["DATABASE_RETRY_AFTER"])
             lines.append(f"            add_header Retry-After {retry_after} always;")
         lines += [f"            return {status} '{body}';", "        }"]
         blocks.append("\n".join(lines))

@@ -7,7 +7,8 @@ Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining
 RateLimit-Reset (seconds until the window resets).
 
 The layer counts a request after its key is checked (api.Policies.admit), so only known keys are
-counted.
+counted. A failed check counts against the client's address instead, in this same limiter
+(auth_failures.py: the budget "address:<address>", the limit AUTH_FAILURE_LIMIT).
 
 A request costs a local increment: each worker counts in its own memory and decides on the
 shared total it last read plus what it counted since. The first request a worker serves once
@@ -68,6 +69,14 @@ MAX_RETRY_INTERVAL = 4.0
 # /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
 
+# Requests refused 429 by the app, by reason: "rate_limit" (a key past its own limit) or
+# "auth_failures" (an address past its budget of failed key checks, auth_failures.py).
+REFUSALS = Counter(
+    "animal_store_refusals",
+    "Requests refused 429, by reason: rate_limit (a key past its limit), auth_failures (an "
+    "address past its budget of failed key checks).",
+    ["reason"],
+)
 DEGRADED_SECONDS = Counter(
     "animal_store_rate_limit_degraded_seconds",
     "Seconds the workers counted rate limits apart because Redis did not answer, summed over "
@@ -195,10 +204,7 @@ class RateLimiter:
         """
         if not self.enabled:
             return None
-        text = limit or self.default
-        items = self.parsed.get(text)
-        if items is None:
-            items = self.parsed[text] = sorted(parse_many(text))
+        items = self.items(limit)
         now = time.time()
         counted = []
         with self.lock:
@@ -221,6 +227,29 @@ class RateLimiter:
                 return window
             shown = shown or window
         return shown
+
+    def exceeded(self, budget: str, limit: str) -> Window | None:
+        """Return the first of the budget's windows whose limit its count has reached, without
+        counting this request: the next hit there would be over. None when limiting is off or
+        each window has room.
+
+        On the counts as this worker last knew them, with no sync: a sync here, before a
+        count() that opens a window, would leave that window unsynced until the next one."""
+        if not self.enabled:
+            return None
+        with self.lock:
+            for item in self.items(limit):
+                tally = self.tallies.get((budget, item))
+                if tally is not None and tally.count >= item.amount:
+                    return Window(item, 0, tally.end, True)
+        return None
+
+    def items(self, limit: str | None) -> list[RateLimitItem]:
+        text = limit or self.default
+        items = self.parsed.get(text)
+        if items is None:
+            items = self.parsed[text] = sorted(parse_many(text))
+        return items
 
     def sync(self) -> None:
         """Write this worker's counts to Redis and read back the totals and the windows' ends,
@@ -312,6 +341,7 @@ def count_request(limiter: RateLimiter, budget: str, limit: str | None) -> Windo
     """Count the request; over the limit, answer 429 with the window's headers."""
     window = limiter.count(budget, limit)
     if window is not None and window.exceeded:
+        REFUSALS.labels("rate_limit").inc()
         raise errors.TOO_MANY_REQUESTS(limit=str(window.limit), headers=window.headers())
     return window
 

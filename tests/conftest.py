@@ -300,9 +300,14 @@ def start_nginx(tmp_path, certificate):
         pytest.skip("nginx is not installed (Debian: nginx)")
     servers = []
 
-    def start(upstreams, proxy_read_timeout=None):
+    def start(upstreams, proxy_read_timeout=None, limit_conn=None, uncapped=()):
         server = Nginx(
-            tmp_path / f"nginx-{len(servers)}", upstreams, *certificate, proxy_read_timeout
+            tmp_path / f"nginx-{len(servers)}",
+            upstreams,
+            *certificate,
+            proxy_read_timeout,
+            limit_conn=limit_conn,
+            uncapped=uncapped,
         )
         servers.append(server)
         return server.wait_until_serving()

@@ -109,9 +109,20 @@ def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
     return result
 
 
-def render(directory, upstreams, certificate, key, proxy_read_timeout=None, upstream_keepalive=0):
+def render(
+    directory,
+    upstreams,
+    certificate,
+    key,
+    proxy_read_timeout=None,
+    upstream_keepalive=0,
+    limit_conn=None,
+    uncapped=(),
+):
     """Return the shipped config with the test's upstreams, loopback ports and files; with
-    `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks)."""
+    `upstream_keepalive`, nginx keeps that many idle connections to the upstream (benchmarks);
+    with `limit_conn`, that cap on an address's requests at once instead of the shipped one, and
+    the `uncapped` addresses listed as never capped."""
     config = SHIPPED_CONFIG.read_text()
     servers = "".join(
         f"    server {address} max_fails=1 fail_timeout=10s;\n" for address in upstreams
@@ -137,6 +148,16 @@ def render(directory, upstreams, certificate, key, proxy_read_timeout=None, upst
             config,
             1,
         )
+    if limit_conn is not None:
+        config = substitute(
+            r"^    limit_conn animal_store_addresses \d+;",
+            f"    limit_conn animal_store_addresses {limit_conn};",
+            config,
+            1,
+        )
+    if uncapped:
+        listed = "".join(f"    {address} 1;\n" for address in uncapped)
+        config = substitute(r"^    # 192\.0\.2\.7 1;\n", listed, config, 1)
     if upstream_keepalive:
         config = substitute(
             r"^(upstream animal_store \{\n(?:    server .*\n)+)",
@@ -167,11 +188,20 @@ class Nginx:
         proxy_read_timeout=None,
         upstream_keepalive=0,
         worker_processes=1,
+        limit_conn=None,
+        uncapped=(),
     ):
         self.directory = directory
         directory.mkdir(parents=True)
         config, self.http_port, self.https_port = render(
-            directory, upstreams, certificate, key, proxy_read_timeout, upstream_keepalive
+            directory,
+            upstreams,
+            certificate,
+            key,
+            proxy_read_timeout,
+            upstream_keepalive,
+            limit_conn,
+            uncapped,
         )
         (directory / "animal-store.conf").write_text(config)
         # Worker processes started by root default to user nobody, who cannot enter pytest's
