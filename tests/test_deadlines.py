@@ -191,17 +191,22 @@ def pgbouncer(cluster, database_url):
     server.stop()
 
 
+def settings_for(request, path) -> dict:
+    """The test's settings for gunicorn; through PgBouncer in transaction pooling, on the same
+    database, when the path is "pgbouncer"."""
+    env = dict(SETTINGS)
+    if path == "pgbouncer":
+        url = request.getfixturevalue("pgbouncer").url
+        env["DATABASE_URL"] = url.render_as_string(hide_password=False)
+        env["ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER"] = "true"
+    return env
+
+
 @pytest.mark.parametrize("path", ["gunicorn", "nginx", "pgbouncer"])
 def test_frozen_database_answers_503_within_the_deadline_and_recovers(
     request, path, start_gunicorn, database_url, auth, cluster
 ):
-    env = dict(SETTINGS)
-    if path == "pgbouncer":
-        # PgBouncer in transaction pooling, on the same database.
-        url = request.getfixturevalue("pgbouncer").url
-        env["DATABASE_URL"] = url.render_as_string(hide_password=False)
-        env["ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER"] = "true"
-    gunicorn = start_gunicorn(workers=2, env=env)
+    gunicorn = start_gunicorn(workers=2, env=settings_for(request, path))
     url, session = gunicorn.url, requests.Session()
     if path == "nginx":
         # The shipped nginx.conf, as is: its proxy_read_timeout outlasts the deadline.
@@ -233,12 +238,7 @@ def test_threaded_development_server_answers_within_the_deadline(make_app, auth,
 def test_readyz_answers_503_within_half_a_second_while_frozen(
     request, path, start_gunicorn, cluster
 ):
-    env = dict(SETTINGS)
-    if path == "pgbouncer":
-        url = request.getfixturevalue("pgbouncer").url
-        env["DATABASE_URL"] = url.render_as_string(hide_password=False)
-        env["ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER"] = "true"
-    gunicorn = start_gunicorn(workers=2, env=env)
+    gunicorn = start_gunicorn(workers=2, env=settings_for(request, path))
     for _ in range(4):  # each worker's pool holds a connection
         assert requests.get(gunicorn.url + "/readyz", timeout=10).status_code == 200
 
