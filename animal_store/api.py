@@ -353,10 +353,14 @@ class Policies:
         by Origin while CORS origins are listed."""
         window = g.get("rate_limit_window")
         if window is not None:
-            response.headers.update(window.headers())
+            # Added, not set: no answer of a counted request has them yet (a 429 has no window),
+            # and a set searches the headers for each one first.
+            response.headers.extend(window.headers())
         headers = self.deprecated.get(request.endpoint)
         if headers is not None:
-            response.headers.update(headers)
+            # Added too: the successor's Link goes beside any Link of the view's own (a next
+            # page), never in its place.
+            response.headers.extend(headers)
         if self.vary_origin:
             response.vary.add("Origin")
         return response

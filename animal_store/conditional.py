@@ -1,8 +1,10 @@
 """Conditional GET: an ETag on a view's 200 answers, and 304 when If-None-Match matches it."""
 
 import hashlib
+import threading
 from functools import wraps
 
+from cachetools import LRUCache
 from flask import make_response, request
 
 from animal_store.api import Header, declare_parameter, declare_response
@@ -23,14 +25,44 @@ IF_NONE_MATCH = {
 }
 
 
-def entity_tag(response) -> str:
+class Tags:
+    """The tags of answers sent lately, by body and Link, least recently used dropped first.
+
+    A kept answer (answers.py) is the same bytes object each time, whose hash Python computes
+    once: its tag is then looked up, not computed again. At most ENTRIES tags, of bodies up to
+    LARGEST bytes, so what it holds besides the kept answers stays small.
+    """
+
+    ENTRIES = 1024
+    LARGEST = 16 * 1024
+
+    def __init__(self):
+        self.entries = LRUCache(self.ENTRIES)
+        self.lock = threading.Lock()  # the development server serves on threads
+
+    def get(self, body: bytes, link: str) -> str:
+        key = (body, link)
+        with self.lock:
+            tag = self.entries.get(key)
+        if tag is None:
+            tag = entity_tag(body, link)
+            if len(body) <= self.LARGEST:
+                with self.lock:
+                    self.entries[key] = tag
+        return tag
+
+
+def entity_tag(body: bytes, link: str) -> str:
     # A hash of everything a client keeps from the response: the body and, for a list page, the
     # link to the next page (which appears when animals are added after a full last page). Any
     # change to either changes the tag, so a client never keeps a stale copy.
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(response.get_data())
-    digest.update(b"\nLink: " + response.headers.get("Link", "").encode())
+    digest.update(body)
+    digest.update(b"\nLink: " + link.encode())
     return digest.hexdigest()
+
+
+TAGS = Tags()
 
 
 def conditional(view):
@@ -47,7 +79,7 @@ def conditional(view):
         response = make_response(view(*args, **kwargs))
         if response.status_code != 200:
             return response
-        tag = entity_tag(response)
+        tag = TAGS.get(response.get_data(), response.headers.get("Link", ""))
         response.set_etag(tag)
         if request.if_none_match.contains_weak(tag):
             # Werkzeug sends a 304 without body or Content-Type; ETag and the other headers stay.
