@@ -453,8 +453,9 @@ POOLED_ROLE, ROLE_CONNECTION_LIMIT, PGBOUNCER_POOL_SIZE = "animal_store_pooled",
 
 @pytest.fixture
 def pooled_role(app):
-    """The test database's role for PgBouncer: at most ROLE_CONNECTION_LIMIT connections, the
-    statement timeout set on it (PgBouncer passes no `options`), rights on the tables."""
+    """The test database's role for PgBouncer, dropped afterwards: at most ROLE_CONNECTION_LIMIT
+    connections, the statement timeout set on it (PgBouncer passes no `options`), rights on the
+    tables."""
     with app.app_context(), db.engine.begin() as connection:
         exists = connection.scalar(
             sa.text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": POOLED_ROLE}
@@ -471,7 +472,11 @@ def pooled_role(app):
             "ALL ON ALL SEQUENCES IN SCHEMA public",
         ):
             connection.execute(sa.text(f"GRANT {grant} TO {POOLED_ROLE}"))
-    return POOLED_ROLE
+    yield POOLED_ROLE
+    # The role is the server's, not the database's: nothing of the test is left behind.
+    with app.app_context(), db.engine.begin() as connection:
+        connection.execute(sa.text(f"DROP OWNED BY {POOLED_ROLE}"))
+        connection.execute(sa.text(f"DROP ROLE {POOLED_ROLE}"))
 
 
 @pytest.fixture
