@@ -26,7 +26,7 @@ CURSOR_SYNTAX = rf"[A-Za-z0-9_-]{{1,{MAX_CURSOR_LENGTH}}}"
 CURSOR_TEXT = re.compile(CURSOR_SYNTAX)
 # What a URL path may hold unescaped (WHATWG's path segment set, and % for escapes already made).
 URL_PATH_SAFE = "!$&'()*+,/:;=@%"
-PAYLOAD = re.compile(rf"{CURSOR_VERSION}\.([1-9][0-9]{{0,18}})\.({'|'.join(PET_STATUSES)}|)")
+PAYLOAD = re.compile(rf"{CURSOR_VERSION}\.(0|[1-9][0-9]{{0,18}})\.({'|'.join(PET_STATUSES)}|)")
 
 
 @dataclass(frozen=True)

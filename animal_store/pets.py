@@ -9,6 +9,7 @@ from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
 from animal_store.extensions import db
 from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
+from animal_store.keyset import settled_prefix
 from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, ListQuerySchema, NewPetSchema, PetSchema
 
@@ -50,13 +51,17 @@ def list_pets(query):
     kept = answers().get(("page", after, limit, status))
     if kept is None:
         # One row past the page tells whether another page follows.
-        pets = store.pets_after(after, limit + 1, status)
-        if len(pets) <= limit:
+        rows = store.pets_after(after, limit + 1, status)
+        pets = settled_prefix(rows)
+        if len(pets) == len(rows) <= limit:
             return pets  # the end of the list, which grows: made afresh each time
         pets = pets[:limit]
-        body = orjson.dumps(pets_schema.dump(pets))
-        kept = (body, next_page_query(pets[-1]["id"], limit, status))
-        answers().put(("page", after, limit, status), *kept)
+        last_id = pets[-1]["id"] if pets else after
+        kept = (orjson.dumps(pets_schema.dump(pets)), next_page_query(last_id, limit, status))
+        if len(pets) == limit:
+            answers().put(("page", after, limit, status), *kept)
+        # Otherwise cut short before a row not yet settled: the rest follows once it is, and
+        # the page is not kept.
     body, next_query = kept
     response = json_response(body)
     response.headers["Link"] = next_page_link(next_query)

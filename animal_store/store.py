@@ -9,14 +9,20 @@ so it never mixes with what a view writes.
 
 import sqlalchemy as sa
 
+from animal_store import keyset
 from animal_store.extensions import db
 from animal_store.models import ApiKey, Pet
 
 # Built once at import, not per request: the reads select exactly the four columns the wire
 # format has, with the values bound at execution. Ids are positive, so `id > 0` starts a walk.
+# A page also reads whether each row is settled (keyset.py): it shows rows up to the first one
+# that is not.
 PET_ROW = sa.select(Pet.id, Pet.name, Pet.category_id, Pet.status)
 LIST_PAGE = (
-    PET_ROW.where(Pet.id > sa.bindparam("after")).order_by(Pet.id).limit(sa.bindparam("limit"))
+    PET_ROW.add_columns(keyset.settled(Pet.__table__))
+    .where(Pet.id > sa.bindparam("after"))
+    .order_by(Pet.id)
+    .limit(sa.bindparam("limit"))
 )
 LIST_PAGE_WITH_STATUS = LIST_PAGE.where(Pet.status == sa.bindparam("status"))
 PET_BY_ID = PET_ROW.where(Pet.id == sa.bindparam("pet_id"))
@@ -39,12 +45,13 @@ KEY_BY_HASH = sa.select(
 )
 # On the table, not the mapped class: an ORM-enabled insert would take the ORM's bulk path, which
 # cost about 350 of the 1,400 µs of CPU a creation took (measured in process, issue 7).
+# The id is the database's: on PostgreSQL a trigger takes it in order (keyset.py).
 INSERT_PET = sa.insert(Pet.__table__).returning(Pet.__table__.c.id)
-LOCK_PETS = sa.text(f"LOCK TABLE {Pet.__tablename__} IN EXCLUSIVE MODE")
 
 
 def pets_after(after: int, limit: int, status: str | None) -> list[dict]:
-    """Return up to `limit` animals with ids above `after`, in id order, of one status or any."""
+    """Return up to `limit` animals with ids above `after`, in id order, of one status or any,
+    each with whether it is settled (keyset.settled_prefix)."""
     select = LIST_PAGE if status is None else LIST_PAGE_WITH_STATUS
     return read(select, {"after": after, "limit": limit, "status": status})
 
@@ -56,25 +63,7 @@ def find_pet(pet_id: int) -> dict | None:
 
 def add_pet(pet: dict) -> int:
     """Insert an animal in the session's transaction and return its new id."""
-    connection = db.session.connection()
-    take_ids_in_commit_order(connection)
-    return connection.execute(INSERT_PET, pet).scalar_one()
-
-
-def take_ids_in_commit_order(connection) -> None:
-    """Make the animals' ids become visible in id order: until this transaction ends, no other
-    one may add animals (reads go on unhindered).
-
-    A walk's next page starts after the last id it saw, so it would skip for good an animal whose
-    id is lower than one it has seen but which committed after it. On SQLite the single writer
-    already orders them: the id is taken under the write lock, held until the commit. On
-    PostgreSQL ids come from a sequence at INSERT and transactions commit in any order, so the
-    lock is taken here: EXCLUSIVE mode conflicts with every writer, never with a SELECT.
-    Creations already queue for the database's write (its fsync) either way; the lock costs them
-    little (docs/api.rst, Pages, has the measurement).
-    """
-    if connection.dialect.name == "postgresql":
-        connection.execute(LOCK_PETS)
+    return db.session.connection().execute(INSERT_PET, pet).scalar_one()
 
 
 def find_key(key_hash: bytes) -> dict | None:

@@ -16,7 +16,7 @@ def test_ids_are_64_bit(app, client, auth):
     # The largest int64 must fit as an id on both backends (SQLite rowid, PostgreSQL BIGINT).
     with app.app_context():
         if db.engine.dialect.name == "postgresql":
-            statement = "ALTER TABLE pets ALTER COLUMN id RESTART WITH 9223372036854775807"
+            statement = "ALTER SEQUENCE pets_id_seq RESTART WITH 9223372036854775807"
         else:  # SQLite hands out the next rowid after the largest one.
             statement = (
                 "INSERT INTO pets (id, name, category_id) VALUES (9223372036854775806, 'x', 1)"

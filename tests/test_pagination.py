@@ -154,7 +154,7 @@ def forged(payload: bytes) -> str:
         lambda cursor: cursor[:5] + ("B" if cursor[5] != "B" else "C") + cursor[6:],
         lambda cursor: cursor * 10,
         lambda cursor: base64.urlsafe_b64encode(b"1.3.").decode().rstrip("="),
-        lambda cursor: forged(b"1.0."),
+        lambda cursor: forged(b"1.03."),
         lambda cursor: forged(b"1.-5."),
         lambda cursor: forged(b"1.9223372036854775808."),
         lambda cursor: forged(b"2.3."),

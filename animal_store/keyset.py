@@ -1,0 +1,183 @@
+"""Ids that become visible in id order, for any table walked in keyset pages.
+
+A walk's next page starts after the last id it saw, so it would skip for good a row whose id is
+lower than one it has seen but which committed after it. On SQLite the single writer rules that
+out: an id is taken under the write lock, which is held until the commit. On PostgreSQL ids come
+from a sequence and transactions commit in any order, so a table walked in keyset pages takes
+its ids through a trigger, and a page shows a row only once the row is settled:
+
+- The trigger (`keyset_take_id`, BEFORE INSERT, for each row) takes the row's id from the table's
+  id sequence and stamps the row with `order_xid`: the highest transaction id of every writer
+  that took an id up to this one, its own included. Both happen under an advisory lock held for
+  a few microseconds, not through the commit. It is a session's lock, taken and released within
+  the trigger (an exception handler releases it on any error), and tried rather than waited
+  for: PostgreSQL hands a released lock to the first waiter even while that process sleeps, so
+  with more writers than cores every writer would wait on the scheduler; a writer that finds it
+  taken sleeps a millisecond and tries again. The last stamp given out is kept in a second
+  sequence, which transactions do not roll back.
+- A row is settled when its `order_xid` is below the xmin of the reading statement's snapshot:
+  every transaction up to `order_xid` has then ended, and with them every writer that took a
+  lower id. Such a writer either committed, and its row is visible, or rolled back, and its id
+  is a gap for good. So the rows a page shows, up to the first one not yet settled, are final.
+
+Writers no longer wait for each other's commits: they share WAL flushes (group commit), and
+creations scale with writers (benchmarks/creations.py). The price falls on walks alone: a row
+stays out of pages while a transaction older than its stamp is still open, which for a creation
+is a commit's latency, and for a writer that hangs, until its statement timeout.
+
+Subtle points, each relied on:
+- The writer's own transaction id is assigned (pg_current_xact_id assigns it) before it takes
+  an id, so a writer that took a lower id has its transaction id covered by the stamps from then
+  on; and the stamp is the maximum so far, not the writer's own id, so a transaction that wrote
+  something else first (and so has an older id), or adds many rows, is covered too.
+- The id sequence must not cache values (CACHE 1, PostgreSQL's default): cached ids would be
+  handed out by each session in its own order, outside the lock.
+- The lock is taken and released within one statement, and the rest is the transaction's, so
+  PgBouncer's transaction pooling is fine.
+- Stamps are transaction ids of the cluster that wrote them. A logical restore (pg_restore) into
+  another cluster makes them meaningless: `forget_order_sql` settles every row again, and the
+  restore command runs it.
+"""
+
+import sqlalchemy as sa
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import ColumnElement, FunctionElement
+
+# The column every keyset table has, beside its `id`: 0 where the engine orders ids itself.
+ORDER_XID = "order_xid"
+INT64_MAX = 2**63 - 1
+
+TAKE_ID_FUNCTION = f"""
+CREATE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    ids regclass := TG_ARGV[0];
+    stamps regclass := TG_ARGV[1];
+    own bigint := pg_current_xact_id()::text::bigint;
+    locked boolean := false;
+    taken bigint;
+    stamp bigint;
+BEGIN
+    BEGIN
+        -- Tried, not waited for: a waiter would be handed the lock while asleep, and every
+        -- writer would wait for it to be scheduled.
+        LOOP
+            locked := pg_try_advisory_lock(ids::oid::bigint);
+            EXIT WHEN locked;
+            PERFORM pg_sleep(0.001);
+        END LOOP;
+        taken := nextval(ids);
+        stamp := greatest(own, coalesce(pg_sequence_last_value(stamps), 0));
+        PERFORM setval(stamps, stamp);
+    EXCEPTION WHEN OTHERS OR query_canceled THEN
+        -- A session's lock outlives its transaction: released here, whatever went wrong.
+        IF locked THEN
+            PERFORM pg_advisory_unlock(ids::oid::bigint);
+        END IF;
+        RAISE;
+    END;
+    PERFORM pg_advisory_unlock(ids::oid::bigint);
+    NEW.id := taken;
+    NEW.{ORDER_XID} := stamp;
+    RETURN NEW;
+END $$
+"""
+
+
+def sequences(table: str) -> tuple[str, str]:
+    """The table's id sequence and the sequence of its last stamp."""
+    return f"{table}_id_seq", f"{table}_{ORDER_XID}_seq"
+
+
+def order_ids_sql(table: str) -> list[str]:
+    """The statements that make a table's ids taken in order (PostgreSQL; after TAKE_ID_FUNCTION).
+
+    The id column keeps its values: its identity, if it has one, becomes a plain sequence that
+    starts where the identity would have gone on (the trigger must be alone in taking ids).
+    Migrations run these: they must keep doing what they do.
+    """
+    ids, stamps = sequences(table)
+    # The table name is the code's own, never a request's (here and below).
+    return [
+        f"""DO $$
+        DECLARE next_id bigint;
+        BEGIN
+            SELECT greatest(
+                coalesce(pg_sequence_last_value(pg_get_serial_sequence('{table}', 'id')), 0),
+                coalesce(max(id), 0)
+            ) + 1 INTO next_id FROM {table};
+            ALTER TABLE {table} ALTER id DROP IDENTITY IF EXISTS;
+            CREATE SEQUENCE {ids} CACHE 1 OWNED BY {table}.id;
+            PERFORM setval('{ids}', next_id, false);
+        END $$""",  # noqa: S608
+        f"CREATE SEQUENCE {stamps} CACHE 1 OWNED BY {table}.{ORDER_XID}",
+        f"CREATE TRIGGER {table}_take_id BEFORE INSERT ON {table} FOR EACH ROW "
+        f"EXECUTE FUNCTION keyset_take_id('{ids}', '{stamps}')",
+    ]
+
+
+def unorder_ids_sql(table: str) -> list[str]:
+    """The reverse of order_ids_sql: an identity again, going on after the last id taken."""
+    ids, stamps = sequences(table)
+    return [
+        f"DROP TRIGGER {table}_take_id ON {table}",
+        f"DROP SEQUENCE {stamps}",
+        f"""DO $$
+        DECLARE next_id bigint;
+        BEGIN
+            SELECT greatest(coalesce(pg_sequence_last_value('{ids}'), 0), coalesce(max(id), 0))
+                + 1 INTO next_id FROM {table};
+            DROP SEQUENCE {ids};
+            EXECUTE format(
+                'ALTER TABLE {table} ALTER id ADD GENERATED BY DEFAULT AS IDENTITY (START %s)',
+                next_id
+            );
+        END $$""",  # noqa: S608
+    ]
+
+
+def forget_order_sql(table: str) -> list[str]:
+    """Settle every row of the table: for a database restored into another cluster."""
+    _, stamps = sequences(table)
+    return [
+        f"UPDATE {table} SET {ORDER_XID} = 0 WHERE {ORDER_XID} <> 0",  # noqa: S608
+        f"ALTER SEQUENCE {stamps} RESTART",
+    ]
+
+
+class SnapshotXmin(FunctionElement):
+    """The oldest transaction still open when the statement's snapshot was taken.
+
+    On engines with a single writer every committed row is settled, so there it is a number no
+    stamp reaches.
+    """
+
+    type = sa.BigInteger()
+    inherit_cache = True
+
+
+@compiles(SnapshotXmin)
+def _snapshot_xmin_any(element, compiler, **kw) -> str:
+    return str(INT64_MAX)
+
+
+@compiles(SnapshotXmin, "postgresql")
+def _snapshot_xmin_postgresql(element, compiler, **kw) -> str:
+    return "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+
+
+def settled(table: sa.Table) -> ColumnElement[bool]:
+    """A column of a SELECT: whether the row may be shown in a page (see the module's docs).
+
+    The snapshot's xmin is a scalar subquery, so it is computed once per statement.
+    """
+    return (table.c[ORDER_XID] < sa.select(SnapshotXmin()).scalar_subquery()).label("settled")
+
+
+def settled_prefix(rows: list[dict]) -> list[dict]:
+    """The rows, read in id order with their `settled` column, up to the first one not settled."""
+    shown = []
+    for row in rows:
+        if not row.pop("settled"):
+            break
+        shown.append(row)
+    return shown

@@ -1,0 +1,253 @@
+"""Creations on PostgreSQL as writers grow: the service's creation path against plain INSERTs.
+
+The database level (the default) runs pgbench on a scratch database the benchmark makes and
+drops: the statements of one real creation, as the service runs them (captured from
+store.add_pet and the commit, so the benchmark follows the code), against a plain INSERT into a
+twin table with an identity column and nothing else, in the same run, turn by turn. Each is
+measured with 1, 16 and 64 concurrent writers, on fast commits and on 2 ms commits: the
+benchmark's own connections set `commit_delay=2000` and `commit_siblings=0`, which makes every
+WAL flush wait 2 ms, as network storage does (a superuser may set both per session, so the
+server's configuration is untouched).
+
+--service measures the same through the service: gunicorn with 8 sync workers on the scratch
+database, wrk with 32 connections POSTing animals, on fast and on 2 ms commits in turns.
+
+    python benchmarks/creations.py                       # 1, 16, 64 writers, fast and 2 ms
+    python benchmarks/creations.py --writers 16 --duration 10 --rounds 3
+    python benchmarks/creations.py --service             # through gunicorn and wrk
+
+Needs pgbench (Debian's postgresql package has it) and, for --service, wrk; the admin URL
+(--admin-url, default postgresql://postgres@127.0.0.1:5432/postgres) must be a superuser's.
+"""
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import quote
+
+import psycopg
+from http_bench import Server, flask, run_wrk, write_scripts
+from psycopg import sql
+
+SLOW_COMMITS = "-c commit_delay=2000 -c commit_siblings=0"
+COMMITS = {"fast": "", "2 ms": SLOW_COMMITS}
+# Issue 21: the service's creations against plain INSERTs at 16 and 64 writers, and through the
+# service, creations/s on 2 ms commits against fast ones.
+TARGET_RATIO = 0.8
+SERVICE_TARGET_RATIO = 0.85
+SAMPLE = {"name": "Benchmark Rex", "category_id": 3, "status": "available"}
+
+
+def main():
+    args = parse_args()
+    name = f"animal_store_creations_{os.getpid()}"
+    admin = args.admin_url
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    database_url = admin.rsplit("/", 1)[0] + "/" + name
+    try:
+        flask(sqlalchemy_url(database_url), "db", "upgrade")
+        if args.service:
+            measure_service(database_url, args)
+        else:
+            measure_database(database_url, args)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as connection:
+            connection.execute(
+                sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--admin-url",
+        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        help="a superuser's connection; the scratch database is made and dropped beside it",
+    )
+    parser.add_argument("--writers", default="1,16,64", help="concurrent writers (1,16,64)")
+    parser.add_argument("--duration", type=int, default=5, help="seconds per run (5)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
+    parser.add_argument("--service", action="store_true", help="through gunicorn and wrk")
+    parser.add_argument("--workers", type=int, default=8, help="gunicorn workers (8)")
+    parser.add_argument("--connections", type=int, default=32, help="wrk connections (32)")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
+    return parser.parse_args()
+
+
+def sqlalchemy_url(url: str, options: str = "") -> str:
+    url = url.replace("postgresql://", "postgresql+psycopg://", 1)
+    return f"{url}?options={quote(options)}" if options else url
+
+
+def creation_statements(database_url) -> list[str]:
+    """The SQL of one creation as the service runs it, values inlined, for pgbench."""
+    import sqlalchemy as sa
+
+    from animal_store import create_app, store
+    from animal_store.extensions import db
+
+    app = create_app({"DATABASE_URL": sqlalchemy_url(database_url), "RATELIMIT_ENABLED": False})
+    statements = []
+    with app.app_context(), psycopg.connect(database_url) as quoting:
+
+        def record(conn, cursor, statement, parameters, context, executemany):
+            values = {k: sql.Literal(v).as_string(quoting) for k, v in (parameters or {}).items()}
+            statements.append(statement % values if values else statement)
+
+        sa.event.listen(db.engine, "before_cursor_execute", record)
+        store.add_pet(dict(SAMPLE))
+        db.session.commit()
+        sa.event.remove(db.engine, "before_cursor_execute", record)
+        db.session.execute(sa.text("TRUNCATE pets"))
+        db.session.commit()
+    return statements
+
+
+def write_pgbench_scripts(database_url, workdir) -> dict[str, Path]:
+    with psycopg.connect(database_url, autocommit=True) as connection:
+        # The same columns, constraints and indexes, an identity for the id, and nothing else.
+        connection.execute(
+            "CREATE TABLE plain_pets (LIKE pets INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+            "INCLUDING INDEXES)"
+        )
+        identity = connection.execute(
+            "SELECT attidentity FROM pg_attribute "
+            "WHERE attrelid = 'plain_pets'::regclass AND attname = 'id'"
+        ).fetchone()[0]
+        if not identity:
+            connection.execute(
+                "ALTER TABLE plain_pets ALTER id ADD GENERATED BY DEFAULT AS IDENTITY"
+            )
+    service = creation_statements(database_url)
+    # The service's own INSERT, aimed at the twin table.
+    plain = (
+        next(s for s in service if s.startswith("INSERT"))
+        .replace("INSERT INTO pets ", "INSERT INTO plain_pets ")
+        .replace("RETURNING pets.", "RETURNING plain_pets.")
+    )
+    scripts = {"plain INSERT": [plain], "service": service}
+    paths = {}
+    for name, statements in scripts.items():
+        path = workdir / f"{name.replace(' ', '_')}.sql"
+        path.write_text("BEGIN;\n" + "".join(f"{s};\n" for s in statements) + "COMMIT;\n")
+        paths[name] = path
+    print("the service's creation:", " ; ".join(service))
+    return paths
+
+
+def find_pgbench() -> str:
+    found = shutil.which("pgbench") or next(
+        iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/pgbench"), reverse=True)), None
+    )
+    if found is None:
+        sys.exit("pgbench is not installed (Debian: postgresql)")
+    return found
+
+
+def run_pgbench(pgbench, database_url, script, writers, duration, options) -> float:
+    output = subprocess.run(
+        [
+            pgbench,
+            "--no-vacuum",
+            f"--file={script}",
+            f"--client={writers}",
+            f"--jobs={min(writers, 2)}",
+            f"--time={duration}",
+            "--protocol=prepared",
+            database_url,
+        ],
+        env={**os.environ, "PGOPTIONS": options},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return float(re.search(r"tps = ([\d.]+) \(without initial connection time\)", output)[1])
+
+
+def measure_database(database_url, args):
+    pgbench = find_pgbench()
+    writers = [int(count) for count in args.writers.split(",")]
+    with tempfile.TemporaryDirectory() as workdir:
+        scripts = write_pgbench_scripts(database_url, Path(workdir))
+        print(
+            f"pgbench, {args.duration} s a run, {args.rounds} rounds, load {load()}\n"
+            f"{'commits':<8}{'writers':>8}{'plain tps':>12}{'service tps':>13}{'ratio':>8}"
+        )
+        met = True
+        for commits, options in COMMITS.items():
+            for count in writers:
+                tps = {name: [] for name in scripts}
+                for _ in range(args.rounds):
+                    for name, script in scripts.items():
+                        tps[name].append(
+                            run_pgbench(
+                                pgbench, database_url, script, count, args.duration, options
+                            )
+                        )
+                plain, service = (statistics.median(tps[name]) for name in scripts)
+                ratio = statistics.median(
+                    s / p for s, p in zip(tps["service"], tps["plain INSERT"], strict=True)
+                )
+                if count >= 16:
+                    met &= ratio >= TARGET_RATIO
+                print(f"{commits:<8}{count:>8}{plain:>12,.0f}{service:>13,.0f}{ratio:>8.2f}")
+        print(
+            f"target: at 16 and more writers, at least {TARGET_RATIO} of plain INSERTs: "
+            f"{'met' if met else 'NOT met'} (load {load()})"
+        )
+
+
+def measure_service(database_url, args):
+    # A key and the production settings, as http_bench.py runs the service.
+    key = flask(
+        sqlalchemy_url(database_url), "keys", "create", "bench", "--rate-limit", "1000000000/hour"
+    ).split()[-1]
+    with tempfile.TemporaryDirectory() as directory:
+        workdir = Path(directory)
+        script = write_scripts(workdir)["create"]
+        servers = {}
+        for commits, options in COMMITS.items():
+            env = {
+                "ANIMAL_STORE_ENV": "production",
+                "DATABASE_URL": sqlalchemy_url(database_url, options),
+            }
+            servers[commits] = Server(
+                commits.replace(" ", ""), "wsgi:app", args.workers, workdir, env
+            )
+        try:
+            for server in servers.values():
+                server.wait_until_serving()
+            rps = {commits: [] for commits in servers}
+            for _ in range(args.rounds):
+                for commits, server in servers.items():
+                    rps[commits].append(
+                        run_wrk(server, "/v1/pets", key, args, script=script)["rps"]
+                    )
+        finally:
+            for server in servers.values():
+                server.stop()
+    ratio = statistics.median(s / f for s, f in zip(rps["2 ms"], rps["fast"], strict=True))
+    print(
+        f"through the service: {args.workers} sync workers, wrk -c{args.connections}, "
+        f"{args.rounds} rounds of {args.duration} s (load {load()})"
+    )
+    for commits, figures in rps.items():
+        print(f"  {commits:<6} commits: {statistics.median(figures):8,.0f} creations/s")
+    met = "met" if ratio >= SERVICE_TARGET_RATIO else "NOT met"
+    print(f"  2 ms / fast: {ratio:.2f} (target at least {SERVICE_TARGET_RATIO}: {met})")
+
+
+def load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
