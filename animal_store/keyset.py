@@ -9,21 +9,26 @@ its ids through a trigger, and a page shows a row only once the row is settled:
 - The trigger (`keyset_take_id`, BEFORE INSERT, for each row) takes the row's id from the table's
   id sequence and stamps the row with `order_xid`: the highest transaction id of every writer
   that took an id up to this one, its own included. Both happen under an advisory lock held for
-  a few microseconds, not through the commit. It is a session's lock, taken and released within
-  the trigger (an exception handler releases it on any error), and tried rather than waited
-  for: PostgreSQL hands a released lock to the first waiter even while that process sleeps, so
-  with more writers than cores every writer would wait on the scheduler; a writer that finds it
-  taken sleeps a millisecond and tries again. The last stamp given out is kept in a second
-  sequence, which transactions do not roll back.
+  a few microseconds, not through the commit (LOCK_SPACE says how it is taken). The last stamp
+  given out is kept in a second sequence, which transactions do not roll back. Under the same
+  lock a transaction marks the first id it takes, with a shared advisory lock on that id held
+  until it ends.
 - A row is settled when its `order_xid` is below the xmin of the reading statement's snapshot:
   every transaction up to `order_xid` has then ended, and with them every writer that took a
   lower id. Such a writer either committed, and its row is visible, or rolled back, and its id
   is a gap for good. So the rows a page shows, up to the first one not yet settled, are final.
+- That xmin is the whole server's: any transaction that writes, in any database, holds it back
+  while it is open. So where a row is not settled by its stamp, the read asks
+  `keyset_pending_from`: under the lock it reads the last id taken (every id up to it has its
+  writer's mark in place by then), then the lowest id still marked (pg_locks). It reads the page
+  again in a snapshot taken after that answer, and a row below the first pending id is settled
+  too: a writer that took a lower id and has not committed by then was still marked. A
+  transaction that took no id holds nothing back; a writer that hangs with an id holds back the
+  rows above it until it ends (its statement timeout).
 
 Writers no longer wait for each other's commits: they share WAL flushes (group commit), and
 creations scale with writers (benchmarks/creations.py). The price falls on walks alone: a row
-stays out of pages while a transaction older than its stamp is still open, which for a creation
-is a commit's latency, and for a writer that hangs, until its statement timeout.
+stays out of pages for about a commit's latency, while a lower id is still in flight.
 
 Subtle points, each relied on:
 - The writer's own transaction id is assigned (pg_current_xact_id assigns it) before it takes
@@ -34,6 +39,12 @@ Subtle points, each relied on:
   handed out by each session in its own order, outside the lock.
 - The lock is taken and released within one statement, and the rest is the transaction's, so
   PgBouncer's transaction pooling is fine.
+- One mark a transaction and table, however many rows it adds (a seed adds 10,000): the lock
+  table's room (max_locks_per_transaction) is not at stake. Marks are advisory locks on
+  one-bigint keys, shared by every keyset table and by anything else in the database that
+  takes such locks: another's mark only makes a read wait for more, and a foreign exclusive
+  lock on a key would make a writer wait for it, so the database is best not shared with code
+  that takes advisory locks on one-bigint keys.
 - Stamps are transaction ids of the cluster that wrote them. A logical restore (pg_restore) into
   another cluster makes them meaningless: `forget_order_sql` settles every row again, and the
   restore command runs it.
@@ -47,40 +58,86 @@ from sqlalchemy.sql.expression import ColumnElement, FunctionElement
 ORDER_XID = "order_xid"
 INT64_MAX = 2**63 - 1
 
+# The lock around taking an id and its stamp: advisory, on two int4 keys (a space apart from the
+# one-bigint keys that mark pending ids), this constant and the id sequence's oid.
+LOCK_SPACE = 0x6B657973  # "keys"
+
+# Both functions take that lock by trying, not waiting: PostgreSQL hands a released lock to the
+# first waiter even while that process sleeps, so with more writers than cores every writer would
+# wait on the scheduler. It is a session's lock, taken and released within one call, and an
+# exception handler releases it on any error (a session's lock outlives the transaction).
 TAKE_ID_FUNCTION = f"""
 CREATE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     ids regclass := TG_ARGV[0];
     stamps regclass := TG_ARGV[1];
     own bigint := pg_current_xact_id()::text::bigint;
+    first_id_setting text := 'keyset.first_id_' || ids::oid;
     locked boolean := false;
     taken bigint;
     stamp bigint;
 BEGIN
     BEGIN
-        -- Tried, not waited for: a waiter would be handed the lock while asleep, and every
-        -- writer would wait for it to be scheduled.
         LOOP
-            locked := pg_try_advisory_lock(ids::oid::bigint);
+            locked := pg_try_advisory_lock({LOCK_SPACE}, ids::oid::int);
             EXIT WHEN locked;
             PERFORM pg_sleep(0.001);
         END LOOP;
         taken := nextval(ids);
         stamp := greatest(own, coalesce(pg_sequence_last_value(stamps), 0));
         PERFORM setval(stamps, stamp);
+        -- The transaction's first id here is marked pending until it ends, for
+        -- keyset_pending_from.
+        IF coalesce(current_setting(first_id_setting, true), '') = '' THEN
+            PERFORM pg_advisory_xact_lock_shared(taken);
+            PERFORM set_config(first_id_setting, taken::text, true);
+        END IF;
     EXCEPTION WHEN OTHERS OR query_canceled THEN
-        -- A session's lock outlives its transaction: released here, whatever went wrong.
         IF locked THEN
-            PERFORM pg_advisory_unlock(ids::oid::bigint);
+            PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
         END IF;
         RAISE;
     END;
-    PERFORM pg_advisory_unlock(ids::oid::bigint);
+    PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
     NEW.id := taken;
     NEW.{ORDER_XID} := stamp;
     RETURN NEW;
 END $$
 """
+
+PENDING_FROM_FUNCTION = f"""
+CREATE FUNCTION keyset_pending_from(ids regclass) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    locked boolean := false;
+    last_id bigint;
+    pending bigint;
+BEGIN
+    BEGIN
+        LOOP
+            locked := pg_try_advisory_lock({LOCK_SPACE}, ids::oid::int);
+            EXIT WHEN locked;
+            PERFORM pg_sleep(0.001);
+        END LOOP;
+        -- Under the lock, every id up to last_id has its writer's mark in place.
+        last_id := coalesce(pg_sequence_last_value(ids), 0);
+    EXCEPTION WHEN OTHERS OR query_canceled THEN
+        IF locked THEN
+            PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
+        END IF;
+        RAISE;
+    END;
+    PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
+    SELECT min((classid::bigint << 32) | objid::bigint) INTO pending
+    FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 1 AND mode = 'ShareLock'
+        AND database = (SELECT oid FROM pg_database WHERE datname = current_database());
+    RETURN least(pending, last_id + 1);
+END $$
+"""  # noqa: S608 - constants only
+
+
+# The first id that may not be shown yet: see read_page in store.py.
+PENDING_FROM = sa.text("SELECT keyset_pending_from(CAST(:ids AS regclass))")
 
 
 def sequences(table: str) -> tuple[str, str]:

@@ -53,7 +53,27 @@ def pets_after(after: int, limit: int, status: str | None) -> list[dict]:
     """Return up to `limit` animals with ids above `after`, in id order, of one status or any,
     each with whether it is settled (keyset.settled_prefix)."""
     select = LIST_PAGE if status is None else LIST_PAGE_WITH_STATUS
-    return read(select, {"after": after, "limit": limit, "status": status})
+    return read_page(select, {"after": after, "limit": limit, "status": status}, Pet.__table__)
+
+
+def read_page(select, values, table: sa.Table) -> list[dict]:
+    """Run a keyset page's read, whose rows say whether they are settled (keyset.settled).
+
+    A row is settled at once when every transaction up to its stamp has ended. Where one has not,
+    maybe a writer of another database or one that took no id, the read asks which ids are still
+    pending (keyset_pending_from: every writer marks its first id until it ends) and reads again,
+    in a snapshot taken after that answer: a row below the first pending id is settled too.
+    """
+    with db.engine.connect() as connection:
+        rows = as_dicts(connection.execute(select, values))
+        if all(row["settled"] for row in rows):
+            return rows
+        ids, _ = keyset.sequences(table.name)
+        pending_from = connection.execute(keyset.PENDING_FROM, {"ids": ids}).scalar_one()
+        rows = as_dicts(connection.execute(select, values))
+    for row in rows:
+        row["settled"] = row["settled"] or row["id"] < pending_from
+    return rows
 
 
 def find_pet(pet_id: int) -> dict | None:
@@ -92,7 +112,10 @@ def read(select, values) -> list[dict]:
     than the mappings would.
     """
     with db.engine.connect() as connection:
-        result = connection.execute(select, values)
-        columns = tuple(result.keys())
-        # fetchall() takes the rows in one call; iterating would fetch them one at a time.
-        return [dict(zip(columns, row, strict=True)) for row in result.fetchall()]
+        return as_dicts(connection.execute(select, values))
+
+
+def as_dicts(result) -> list[dict]:
+    columns = tuple(result.keys())
+    # fetchall() takes the rows in one call; iterating would fetch them one at a time.
+    return [dict(zip(columns, row, strict=True)) for row in result.fetchall()]

@@ -27,6 +27,7 @@ def upgrade():
         )
     if op.get_bind().dialect.name == "postgresql":
         op.execute(keyset.TAKE_ID_FUNCTION)
+        op.execute(keyset.PENDING_FROM_FUNCTION)
         for statement in keyset.order_ids_sql("pets"):
             op.execute(statement)
 
@@ -36,5 +37,6 @@ def downgrade():
         for statement in keyset.unorder_ids_sql("pets"):
             op.execute(statement)
         op.execute("DROP FUNCTION keyset_take_id()")
+        op.execute("DROP FUNCTION keyset_pending_from(regclass)")
     with op.batch_alter_table("pets") as batch:
         batch.drop_column(keyset.ORDER_XID)

@@ -1,0 +1,238 @@
+"""Ids taken in order on PostgreSQL (keyset.py): what a page shows while writers are in flight, and
+the walk promise under a race: creations that commit late and in any order, transactions that
+roll back or add many animals at once, and walkers all the while. Every walk is in ascending id
+order, sees each animal once, and holds every animal acknowledged before it asked for its last
+page (so every one acknowledged before it started, too).
+
+On PostgreSQL a test-only trigger makes every insert wait a random time after its id is taken,
+so commits land out of id order all the time; on SQLite the single writer orders them anyway,
+and the same walks check it.
+"""
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+import requests
+import sqlalchemy as sa
+
+from animal_store.extensions import db
+from animal_store.models import PET_STATUSES
+from animal_store.pagination import Position, encode_cursor
+
+DURATION = 6.0
+CREATORS = 8
+WALKERS = 5
+# The trigger's random wait before an insert's commit, in seconds.
+MAX_COMMIT_DELAY = 0.05
+
+RANDOM_COMMIT_DELAY = [
+    f"""CREATE FUNCTION random_commit_delay() RETURNS trigger AS $$
+        BEGIN PERFORM pg_sleep(random() * {MAX_COMMIT_DELAY}); RETURN NEW; END $$
+        LANGUAGE plpgsql""",
+    """CREATE TRIGGER random_commit_delay AFTER INSERT ON pets FOR EACH ROW
+        EXECUTE FUNCTION random_commit_delay()""",
+]
+
+
+@pytest.fixture
+def random_commit_delays(app):
+    with app.app_context():
+        if db.engine.dialect.name != "postgresql":
+            yield None
+            return
+        with db.engine.begin() as connection:
+            for statement in RANDOM_COMMIT_DELAY:
+                connection.execute(sa.text(statement))
+        yield db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        with db.engine.begin() as connection:
+            connection.execute(sa.text("DROP TRIGGER random_commit_delay ON pets"))
+            connection.execute(sa.text("DROP FUNCTION random_commit_delay()"))
+
+
+class Acknowledged:
+    """The animals whose creation was acknowledged, with when and their status."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.animals = []  # (acknowledged at, id, status)
+
+    def add(self, pet_id, status):
+        with self.lock:
+            self.animals.append((time.monotonic(), pet_id, status))
+
+    def last_id(self):
+        with self.lock:
+            return max((pet_id for _, pet_id, _ in self.animals), default=0)
+
+    def before(self, moment, status=None, after=0):
+        with self.lock:
+            return {
+                pet_id
+                for at, pet_id, pet_status in self.animals
+                if at < moment and status in (None, pet_status) and pet_id > after
+            }
+
+
+def walk(url, auth, limit, status, after=0, linger=lambda last_id: None):
+    """Walk to the end from `after`, calling `linger` with the last id seen before each next
+    page: the ids seen, the pages, and when the last page was asked for."""
+    query = {"limit": limit, **({"status": status} if status else {})}
+    if after:
+        query["cursor"] = encode_cursor(Position(after, status))
+    seen, pages, url = [], 0, requests.Request("GET", url + "/v1/pets", params=query).prepare().url
+    while url:
+        asked = time.monotonic()
+        response = requests.get(url, headers=auth, timeout=30)
+        assert response.status_code == 200, response.text
+        seen += [pet["id"] for pet in response.json()]
+        pages += 1
+        url = response.links.get("next", {}).get("url")
+        if url:
+            linger(seen[-1] if seen else after)
+    return seen, pages, asked
+
+
+def test_walks_stay_exact_while_creations_race(app, make_key, start_gunicorn, random_commit_delays):
+    server = start_gunicorn(workers=4, env={"ANIMAL_STORE_RATE_LIMIT": "1000000 per minute"})
+    auth = {"Authorization": f"Bearer {make_key()}"}
+    acknowledged = Acknowledged()
+    stop_at = time.monotonic() + DURATION
+    walks = []
+
+    def create():
+        rng = random.Random()
+        while time.monotonic() < stop_at:
+            status = rng.choice(PET_STATUSES)
+            response = requests.post(
+                server.url + "/v1/pets",
+                json={"name": "Racer", "categoryId": 1, "status": status},
+                headers=auth,
+                timeout=30,
+            )
+            assert response.status_code == 201, response.text
+            acknowledged.add(response.json()["id"], status)
+
+    def write_directly(database_url):
+        # Transactions the service never runs, each taking ids through the same trigger: some
+        # roll back (their ids are gaps for good), some add several animals at once.
+        rng = random.Random()
+        with psycopg.connect(database_url) as connection:
+            while time.monotonic() < stop_at:
+                status = rng.choice(PET_STATUSES)
+                rows = connection.execute(
+                    "INSERT INTO pets (name, category_id, status) "
+                    "SELECT 'Batch', 1, %s FROM generate_series(1, %s) RETURNING id",
+                    (status, rng.randint(1, 4)),
+                ).fetchall()
+                time.sleep(rng.uniform(0, MAX_COMMIT_DELAY))
+                if rng.random() < 0.5:
+                    connection.rollback()
+                    continue
+                connection.commit()
+                for (pet_id,) in rows:
+                    acknowledged.add(pet_id, status)
+
+    def walk_repeatedly():
+        # Walks start a little before the last animal acknowledged, where creations are still
+        # in flight, and there wait out a commit's delay before each next page: had one skipped
+        # an animal still in flight, that animal is acknowledged by then, and the walk misses
+        # it. A walk that falls behind catches up without waiting.
+        rng = random.Random()
+
+        def linger(last_id):
+            if last_id > acknowledged.last_id() - 10:
+                time.sleep(MAX_COMMIT_DELAY + rng.uniform(0.01, 0.03))
+
+        while time.monotonic() < stop_at:
+            status = rng.choice((None, *PET_STATUSES))
+            after = max(acknowledged.last_id() - rng.randint(0, 40), 0)
+            walked = walk(server.url, auth, rng.randint(1, 4), status, after, linger)
+            walks.append((status, after, *walked))
+
+    with ThreadPoolExecutor(max_workers=CREATORS + WALKERS + 2) as pool:
+        futures = [pool.submit(create) for _ in range(CREATORS)]
+        futures += [pool.submit(walk_repeatedly) for _ in range(WALKERS)]
+        if random_commit_delays:
+            futures += [pool.submit(write_directly, random_commit_delays) for _ in range(2)]
+        for future in futures:
+            future.result()
+
+    assert len(acknowledged.animals) > 100
+    assert len(walks) >= WALKERS
+    for status, after, seen, pages, last_asked in walks:
+        assert seen == sorted(set(seen)), "a walk went back or saw an animal twice"
+        assert all(pet_id > after for pet_id in seen)
+        missed = acknowledged.before(last_asked, status, after) - set(seen)
+        assert not missed, f"a walk ({status=}, {pages} pages) missed {sorted(missed)[:10]}"
+    # And once everything has ended, a walk sees every acknowledged animal.
+    seen, _, _ = walk(server.url, auth, 100, None)
+    assert set(seen) >= acknowledged.before(time.monotonic())
+
+
+@pytest.fixture
+def postgres_url(app):
+    """A libpq URL of the test's PostgreSQL database, for transactions the service never runs."""
+    with app.app_context():
+        if db.engine.dialect.name != "postgresql":
+            pytest.skip("PostgreSQL's ordering of ids; SQLite's single writer orders them itself")
+        return db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def page_ids(client, auth, url="/v1/pets?limit=10"):
+    response = client.get(url, headers=auth)
+    assert response.status_code == 200
+    next_link = response.headers.get("Link")
+    return [pet["id"] for pet in response.get_json()], next_link
+
+
+def next_path(link):
+    return link.split(">")[0].removeprefix("<").split("localhost", 1)[1]
+
+
+def test_a_page_stops_before_an_animal_still_in_flight(client, auth, make_pet, postgres_url):
+    make_pet(), make_pet()
+    with psycopg.connect(postgres_url) as in_flight:
+        late = in_flight.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Late', 1) RETURNING id"
+        ).fetchone()[0]
+        quick = make_pet(name="Quick")
+        assert quick > late
+        ids, link = page_ids(client, auth)
+        # The quick one is committed, but shown only after the one in flight below it.
+        assert ids == [1, 2]
+        assert link is not None
+        in_flight.commit()
+    ids, link = page_ids(client, auth, next_path(link))
+    assert (ids, link) == ([late, quick], None)
+
+
+def test_a_page_cut_before_its_first_animal_is_empty_with_a_next_link(
+    client, auth, make_pet, postgres_url
+):
+    with psycopg.connect(postgres_url) as in_flight:
+        in_flight.execute("INSERT INTO pets (name, category_id) VALUES ('Late', 1)")
+        quick = make_pet(name="Quick")
+        ids, link = page_ids(client, auth)
+        assert ids == []
+        assert link is not None
+        in_flight.rollback()
+    # The rolled back id is a gap for good; the walk goes on from the start.
+    assert page_ids(client, auth, next_path(link)) == ([quick], None)
+
+
+@pytest.mark.parametrize("same_database", [True, False])
+def test_a_writer_that_took_no_id_holds_no_animal_back(
+    client, auth, make_pet, postgres_url, same_database
+):
+    # Its transaction id is older than every animal made meanwhile, and so below their stamps:
+    # the read asks which ids are pending, and none is.
+    url = postgres_url if same_database else postgres_url.rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(url) as other:
+        other.execute("CREATE TEMPORARY TABLE elsewhere (n int)")  # writes: gets an id
+        made = [make_pet(), make_pet(), make_pet()]
+        assert page_ids(client, auth) == (made, None)
+        other.rollback()
