@@ -45,9 +45,10 @@ Subtle points, each relied on:
   takes such locks: another's mark only makes a read wait for more, and a foreign exclusive
   lock on a key would make a writer wait for it, so the database is best not shared with code
   that takes advisory locks on one-bigint keys.
-- Stamps are transaction ids of the cluster that wrote them. A logical restore (pg_restore) into
-  another cluster makes them meaningless: `forget_order_sql` settles every row again, and the
-  restore command runs it.
+- Stamps are transaction ids of the cluster that wrote them. After a logical restore
+  (pg_restore) into another cluster they are meaningless: walks stay exact (the pending check
+  does not read stamps), but slower; `forget_order` settles every row again, and the restore
+  command runs it.
 """
 
 import sqlalchemy as sa
@@ -199,6 +200,27 @@ def forget_order_sql(table: str) -> list[str]:
         f"UPDATE {table} SET {ORDER_XID} = 0 WHERE {ORDER_XID} <> 0",  # noqa: S608
         f"ALTER SEQUENCE {stamps} RESTART",
     ]
+
+
+KEYSET_TABLES = sa.text(
+    "SELECT tgrelid::regclass::text FROM pg_trigger "
+    "WHERE tgfoid = 'keyset_take_id'::regproc ORDER BY 1"
+)
+
+
+def forget_order(connection: sa.Connection) -> list[str]:
+    """Settle every row of every keyset table, in the connection's transaction; return the tables.
+
+    After a logical restore into another cluster the stamps are another cluster's transaction
+    ids. Walks stay exact regardless (where a stamp says "not settled", the read asks which ids
+    are pending), but every read near such rows would take that slower path, and so would every
+    new row's, whose stamp is the highest so far.
+    """
+    tables = list(connection.scalars(KEYSET_TABLES))
+    for table in tables:
+        for statement in forget_order_sql(table):
+            connection.execute(sa.text(statement))
+    return tables
 
 
 class SnapshotXmin(FunctionElement):

@@ -236,3 +236,34 @@ def test_a_writer_that_took_no_id_holds_no_animal_back(
         made = [make_pet(), make_pet(), make_pet()]
         assert page_ids(client, auth) == (made, None)
         other.rollback()
+
+
+def test_stamps_of_another_cluster_slow_walks_down_until_forgotten(
+    app, client, auth, make_pet, postgres_url
+):
+    """As after a pg_restore into another cluster: stamps far above its transaction ids."""
+    from animal_store import keyset
+
+    foreign = 2**62
+    made = [make_pet(), make_pet()]
+    with app.app_context(), db.engine.begin() as connection:
+        connection.execute(sa.text("UPDATE pets SET order_xid = :foreign"), {"foreign": foreign})
+        connection.execute(
+            sa.text("SELECT setval('pets_order_xid_seq', :foreign)"), {"foreign": foreign}
+        )
+    made.append(make_pet())
+    # No stamp is below the snapshot's xmin now, yet no id is pending: all are shown.
+    assert page_ids(client, auth) == (made, None)
+    with app.app_context(), db.engine.begin() as connection:
+        assert keyset.forget_order(connection) == ["pets"]
+        assert connection.scalar(sa.text("SELECT max(order_xid) FROM pets")) == 0
+    made.append(make_pet())
+    with app.app_context(), db.engine.connect() as connection:
+        stamp, xid = connection.execute(
+            sa.text(
+                "SELECT max(order_xid), pg_snapshot_xmax(pg_current_snapshot())::text::bigint "
+                "FROM pets"
+            )
+        ).one()
+    assert 0 < stamp < xid
+    assert page_ids(client, auth) == (made, None)
