@@ -238,11 +238,6 @@ def test_a_limit_that_is_no_limit_is_refused_and_nothing_changes(runner, make_ke
     assert runner.invoke(args=["keys", "list"]).output == before
 
 
-def test_a_bad_rate_limit_setting_stops_the_boot(make_app):
-    with pytest.raises(ValueError, match="not a rate limit"):
-        make_app(RATE_LIMIT="plenty")
-
-
 @pytest.mark.parametrize(
     ("settings", "said"),
     [
