@@ -375,7 +375,21 @@ def test_whole_floats_the_document_warns_of_are_refused(client, auth, count_pets
     assert count_pets() == 0
 
 
-def test_docs_with_a_trailing_slash_goes_to_the_page(client):
+def test_docs_with_a_trailing_slash_goes_to_the_page_with_a_bare_redirect(client):
     response = client.get("/v1/docs/")
     assert response.status_code == 308
     assert response.headers["Location"] == "/v1/docs"
+    assert response.data == b""
+    assert "Content-Type" not in response.headers
+
+
+def test_the_document_lists_the_tags_its_operations_have_and_no_other(document):
+    used = {
+        tag
+        for path in document["paths"].values()
+        for operation in path.values()
+        if isinstance(operation, dict)
+        for tag in operation["tags"]
+    }
+    assert document["tags"] == [{"name": "pets"}]
+    assert {tag["name"] for tag in document["tags"]} == used
