@@ -394,7 +394,8 @@ def settings_reference(defaults: dict[str, Any]) -> str:
         meaning = field.metadata["meaning"]
         paragraphs = (
             f"{meaning}.",
-            f"Expected: {expected(field.name)}. "
+            f"Expected: {expected(field.name)}.",
+            # A paragraph of its own, so a short default is never split across lines.
             f"Default: {shown_default(field.name, defaults[field.name])}.",
         )
         wrapped = (
