@@ -17,6 +17,7 @@ BODY_ERRORS = (
     errors.PAYLOAD_TOO_LARGE,
 )
 
+# JSON's whitespace (RFC 8259): a body of nothing else is empty, not a JSON error at its end.
 JSON_WHITESPACE = b" \t\r\n"
 
 
