@@ -9,6 +9,7 @@ from animal_store import errors
 # What reading a body can answer, besides the validation of its fields.
 BODY_ERRORS = (
     errors.UNSUPPORTED_MEDIA_TYPE,
+    errors.EMPTY_BODY,
     errors.INVALID_JSON,
     errors.NOT_AN_OBJECT,
     errors.TRUNCATED_BODY,
@@ -16,17 +17,24 @@ BODY_ERRORS = (
     errors.PAYLOAD_TOO_LARGE,
 )
 
+# JSON's whitespace (RFC 8259): a body of nothing else is empty, not a JSON error at its end.
+JSON_WHITESPACE = b" \t\r\n"
+
 
 def json_object_body() -> dict:
     """Return the request body parsed as a JSON object, or raise the error that says why not."""
     if request.mimetype != "application/json":
         raise errors.UNSUPPORTED_MEDIA_TYPE()
+    data = whole_body()
+    if not data.strip(JSON_WHITESPACE):
+        raise errors.EMPTY_BODY()
     try:
         # orjson rather than Flask's get_json: it refuses what JSON does not allow (NaN,
         # Infinity, lone surrogates) and is several times faster.
-        body = orjson.loads(whole_body())
+        body = orjson.loads(data)
     except orjson.JSONDecodeError as error:
-        raise errors.INVALID_JSON(reason=error) from None
+        # Where, and what JSON asks for: the parser's own words are about its grammar.
+        raise errors.INVALID_JSON(line=error.lineno, column=error.colno) from None
     if not isinstance(body, dict):
         raise errors.NOT_AN_OBJECT()
     return body

@@ -143,8 +143,11 @@ def set_key_limit(name, limit):
     api_key = find_named_key(name)
     api_key.rate_limit = limit
     db.session.commit()
-    said = limit or f"{current_app.config['RATE_LIMIT']} (default)"
-    click.echo(f"API key {name!r} may now make {said} requests.")
+    if limit:
+        click.echo(f"API key {name!r} now has the rate limit {limit}.")
+    else:
+        default = current_app.config["RATE_LIMIT"]
+        click.echo(f"API key {name!r} now has the default rate limit, {default} (RATE_LIMIT).")
 
 
 @keys_cli.command("rotate")

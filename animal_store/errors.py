@@ -13,7 +13,7 @@ from http import HTTPStatus
 import orjson
 from flask import current_app, request
 from sqlalchemy import exc as sa_exc
-from werkzeug.exceptions import HTTPException, InternalServerError
+from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAllowed
 
 from animal_store.extensions import db
 from animal_store.schemas import ErrorSchema
@@ -55,7 +55,14 @@ VALIDATION_ERROR = ErrorKind(
     "A query parameter, a header or a field of the body is invalid; `errors` names each one.",
 )
 INVALID_JSON = ErrorKind(
-    400, "invalid_json", "The body is not valid JSON: {reason}.", "The body does not parse as JSON."
+    400,
+    "invalid_json",
+    "The body is not valid JSON at line {line}, column {column}: send one JSON object, in "
+    "UTF-8, its names and strings in double quotes, with no trailing comma.",
+    "The body does not parse as JSON.",
+)
+EMPTY_BODY = ErrorKind(
+    400, "invalid_json", "The body is empty: send one JSON object.", "The body is empty."
 )
 NOT_AN_OBJECT = ErrorKind(
     400, "invalid_json", "The body must be a JSON object.", "The body is JSON but not an object."
@@ -282,6 +289,10 @@ def handle_http_exception(error: HTTPException):
     if isinstance(error, InternalServerError):
         return handle_unexpected_error(error.original_exception or error)
     headers = {name: value for name, value in error.get_headers() if name in KEPT_HEADERS}
+    if isinstance(error, MethodNotAllowed):
+        # Werkzeug lists them in the routing's order, which varies: the header and the message
+        # say them alike.
+        headers["Allow"] = allowed_methods(error)
     kind = KIND_OF_STATUS.get(error.code)
     if kind is None:
         kind = ErrorKind(error.code, error.name.lower().replace(" ", "_"), error.name, "")
@@ -292,8 +303,9 @@ def http_error_message(kind: ErrorKind, error: HTTPException) -> str:
     if kind is NOT_FOUND:
         return kind.message.format(path=request.path)
     if kind is METHOD_NOT_ALLOWED:
-        allowed = ", ".join(sorted(error.valid_methods or ()))
-        return kind.message.format(method=request.method, path=request.path, allowed=allowed)
+        return kind.message.format(
+            method=request.method, path=request.path, allowed=allowed_methods(error)
+        )
     if kind is TOO_MANY_REQUESTS:
         return kind.message.format(limit=error.description)
     if kind is PAYLOAD_TOO_LARGE:
@@ -302,6 +314,10 @@ def http_error_message(kind: ErrorKind, error: HTTPException) -> str:
         # Werkzeug's own 400s (a client that disconnected mid-body) say what happened.
         return error.description or kind.message
     return kind.message
+
+
+def allowed_methods(error: MethodNotAllowed) -> str:
+    return ", ".join(sorted(error.valid_methods or ()))
 
 
 def handle_unexpected_error(error: Exception):

@@ -1,6 +1,7 @@
 """Structured logs: JSON lines on stdout, one per request at least, each with its request ID."""
 
 import logging
+import re
 import sys
 import time
 from datetime import UTC, datetime
@@ -61,6 +62,32 @@ STDOUT = StdoutHandler()
 STDOUT.setFormatter(JsonFormatter())
 
 
+# Werkzeug's format for the development server's line per request (serving.py, log_request).
+WERKZEUG_REQUEST_LINE = '"%s" %s %s'
+# The terminal colours Werkzeug puts in its lines.
+ANSI_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DevelopmentServerFormatter(logging.Formatter):
+    """The development server's own lines, as Werkzeug writes them but without colour codes,
+    which a file or a pager shows as noise."""
+
+    def format(self, record):
+        return ANSI_STYLE.sub("", super().format(record))
+
+
+def not_a_request_line(record) -> bool:
+    # The app writes its own line per request, with the request ID: Werkzeug's would be a second.
+    return not (isinstance(record.msg, str) and record.msg.endswith(WERKZEUG_REQUEST_LINE))
+
+
+# The development server's log (the "werkzeug" logger): its start, its warnings and errors, on
+# stderr as before; Werkzeug adds a handler of its own only to a logger that has none.
+DEVELOPMENT_SERVER = logging.StreamHandler()
+DEVELOPMENT_SERVER.setFormatter(DevelopmentServerFormatter())
+DEVELOPMENT_SERVER.addFilter(not_a_request_line)
+
+
 def configure_logging(app) -> None:
     """Send the app's log records to stdout as JSON lines at LOG_LEVEL."""
     logger = logging.getLogger(app.name)
@@ -70,6 +97,9 @@ def configure_logging(app) -> None:
     logger.setLevel(app.config["LOG_LEVEL"])
     # The one handler above writes each line; the root logger (gunicorn's) would write it twice.
     logger.propagate = False
+    development_server = logging.getLogger("werkzeug")
+    if DEVELOPMENT_SERVER not in development_server.handlers:
+        development_server.addHandler(DEVELOPMENT_SERVER)
 
 
 def start_timer() -> None:

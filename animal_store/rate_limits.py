@@ -169,7 +169,7 @@ class RateLimiter:
         self.logger = logger
         self.enabled = config["RATELIMIT_ENABLED"]
         self.uri = config["RATELIMIT_STORAGE_URI"]
-        self.default = check_limit(config["RATE_LIMIT"])
+        self.default = config["RATE_LIMIT"]
         self.sync_interval = float(config["RATELIMIT_SYNC_INTERVAL"])
         self.retry_interval = self.retry_in = float(config["RATELIMIT_RETRY_INTERVAL"])
         self.redis = None

@@ -1,42 +1,89 @@
-"""Where settings come from: package defaults, the deployment's file, then the environment."""
+"""Where settings come from: package defaults, the deployment's file, then the environment; and
+the check, at boot, of what they add up to against their declarations (settings_schema.py)."""
 
+import copy
+import json
 import os
 from pathlib import Path
 
+import click
+from flask import Config, Flask
+from marshmallow import fields
 from sqlalchemy.engine import make_url
+
+from animal_store import settings_schema
 
 # config/ beside the package, in the checkout that gunicorn runs from.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+ENVIRONMENT_PREFIX = "ANIMAL_STORE_"
+# ANIMAL_STORE_* variables that are not settings: the deployment's name, read below, and
+# gunicorn's address, read by config/gunicorn.conf.py.
+NOT_SETTINGS = {"ENV", "BIND"}
+DEFAULTS = "animal_store/default_settings.py"
+DECLARED = settings_schema.SETTING_FIELDS
+# Settings whose environment variable must hold JSON: a typo there is worth saying so.
+STRUCTURED = (fields.List, fields.Dict, fields.Nested)
+
+
+class SettingsError(click.ClickException):
+    """A setting that stops the boot, said in one line. A ClickException, so that `flask` prints
+    just its message, as it does its own errors, rather than a traceback; under gunicorn the
+    master checks the settings before any worker boots (config/gunicorn.conf.py)."""
 
 
 def load_settings(app, test_config=None) -> None:
-    """Fill app.config; a deployment whose secrets are missing stops here, at boot."""
+    """Fill app.config and check it; a missing secret or a bad value stops here, at boot."""
     app.config.from_object("animal_store.default_settings")
+    # A copy of the defaults for each app: ANIMAL_STORE_<NAME>__<KEY> changes an object in place.
+    app.config.update(copy.deepcopy({name: app.config[name] for name in DECLARED}))
     if test_config is not None:
         app.config.from_mapping(test_config)
+        sources = dict.fromkeys(test_config, ("test_config", None))
     else:
-        load_deployment_settings(app)
+        sources = load_deployment_settings(app)
     refuse_renamed_settings(app)
+    app.extensions["animal_store_settings"] = check_settings(app.config, sources)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
 
 
-def load_deployment_settings(app) -> None:
+def check_environment() -> None:
+    """Load and check the settings as create_app() does, without making the app (gunicorn's
+    master, before any worker starts)."""
+    load_settings(Flask(__package__, instance_relative_config=True))
+
+
+def load_deployment_settings(app) -> dict[str, tuple[str, str | None]]:
+    """Load the deployment's file and the environment; return where each setting they set comes
+    from (a file, or a variable and its text)."""
+    sources = {}
     environment = os.environ.get("ANIMAL_STORE_ENV")
     if environment:
         settings_file = CONFIG_DIR / f"{environment}.py"
         if not settings_file.is_file():
-            raise RuntimeError(f"ANIMAL_STORE_ENV={environment!r} has no file {settings_file}.")
+            raise SettingsError(f"ANIMAL_STORE_ENV={environment!r} has no file {settings_file}.")
+        from_file = Config(app.root_path)
         try:
-            app.config.from_pyfile(settings_file)
+            from_file.from_pyfile(settings_file)
         except KeyError as missing:
-            raise RuntimeError(
+            raise SettingsError(
                 f"ANIMAL_STORE_ENV={environment!r} needs {missing} in the environment."
             ) from None
+        app.config.update(from_file)
+        sources.update(dict.fromkeys(from_file, (f"config/{environment}.py", None)))
+        if from_file.get("DATABASE_URL") == os.environ.get("DATABASE_URL"):
+            sources["DATABASE_URL"] = ("DATABASE_URL", os.environ["DATABASE_URL"])
     elif "DATABASE_URL" in os.environ:
         app.config["DATABASE_URL"] = os.environ["DATABASE_URL"]
-    # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses.
-    app.config.from_prefixed_env("ANIMAL_STORE")
+        sources["DATABASE_URL"] = ("DATABASE_URL", os.environ["DATABASE_URL"])
+    # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses (and
+    # ANIMAL_STORE_<NAME>__<KEY> sets one key of a setting that is an object).
+    for variable, text in sorted(os.environ.items()):
+        name = variable.removeprefix(ENVIRONMENT_PREFIX).partition("__")[0]
+        if variable.startswith(ENVIRONMENT_PREFIX) and name not in NOT_SETTINGS:
+            sources[name] = (variable, text)
+    app.config.from_prefixed_env(ENVIRONMENT_PREFIX.rstrip("_"))
+    return sources
 
 
 # Settings renamed to the RATELIMIT_* names (Flask-Limiter's, kept). An old name stops the boot
@@ -50,7 +97,48 @@ RENAMED_SETTINGS = {
 def refuse_renamed_settings(app) -> None:
     for old, new in RENAMED_SETTINGS.items():
         if old in app.config:
-            raise RuntimeError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
+            raise SettingsError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
+
+
+def check_settings(config, sources) -> settings_schema.Settings:
+    """Check every declared setting, and that each name set is a setting; write the values back
+    as loaded (a date-time parsed from the environment's text) and return them typed."""
+    unknown = [
+        f"{where if text is not None else name + ' in ' + where} names no setting "
+        "(docs/configuration.rst lists them)."
+        for name, (where, text) in sources.items()
+        if name not in DECLARED and name not in Flask.default_config
+    ]
+    loaded, problems = settings_schema.load(
+        {name: config[name] for name in DECLARED if name in config}
+    )
+    said = unknown + [
+        problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in problems
+    ]
+    if said:
+        raise SettingsError("\n".join(said))
+    config.update(loaded)
+    return settings_schema.Settings(**loaded)
+
+
+def problem(name: str, value, source: tuple[str, str | None]) -> str:
+    """Say a bad setting in one line: its name, its value as given, what it must be."""
+    where, text = source
+    shown = repr(text if text is not None else value)
+    note = ""
+    field = DECLARED[name]
+    if text is not None and isinstance(field, STRUCTURED) and not parses_as_json(text):
+        note = " (the value is not valid JSON)"
+    origin = "" if where == name else f" from {where}"
+    return f"Setting {name}{origin} is {shown}{note}: expected {settings_schema.expected(name)}."
+
+
+def parses_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def database_uri(app) -> str:

@@ -2,6 +2,8 @@
 Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -37,17 +39,43 @@ control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET", "")
 control_socket_disable = not control_socket
 
 # Prometheus metrics summed over the workers (animal_store/metrics.py, prometheus_client's
-# multiprocess mode): each worker writes its figures to files in this directory, which must be
-# set before any worker imports prometheus_client. A directory of this instance's own (systemd's
-# RuntimeDirectory in docs/deploy.rst), emptied at start; a fresh temporary one by default.
+# multiprocess mode): each worker writes its figures to files in PROMETHEUS_MULTIPROC_DIR, which
+# must be set before anything imports prometheus_client (the master does, through the log
+# formatter below). A directory of this instance's own (systemd's RuntimeDirectory in
+# docs/deploy.rst), emptied at start; without one, a fresh temporary directory, removed when the
+# master exits. Which one was made is kept in the environment, as this file is read again on HUP.
+TEMPORARY_METRICS_DIR = "GUNICORN_TEMPORARY_METRICS_DIR"
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="animal-store-metrics-")
+    made = tempfile.mkdtemp(prefix="animal-store-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[TEMPORARY_METRICS_DIR] = made
 
 
 def on_starting(server):
+    # A bad setting stops the boot here, in one line, before any worker starts: in the workers
+    # it would be a traceback in each, and gunicorn would halt only once one of them had failed.
+    from animal_store.settings import SettingsError, check_environment
+
+    try:
+        check_environment()
+    except SettingsError as error:
+        server.log.error("%s", error.format_message())
+        remove_temporary_metrics_dir()
+        sys.exit(1)
     # Figures a previous run left would be added to this one's.
     for leftover in Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).glob("*.db"):
         leftover.unlink()
+
+
+def on_exit(server):
+    remove_temporary_metrics_dir()
+
+
+def remove_temporary_metrics_dir():
+    # A master re-executed on USR2 starts from the environment gunicorn itself started with,
+    # so it makes a directory of its own: each master removes only the one it made.
+    made = os.environ.get(TEMPORARY_METRICS_DIR)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def child_exit(server, worker):

@@ -1,15 +1,20 @@
 """End to end: the shipped gunicorn config serving wsgi:app on a loopback port, over real HTTP."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import gunicorn
+import pytest
 import requests
 from conftest import PROJECT_DIR
 
 from animal_store import gunicorn_errors
+
+GUNICORN = (sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app")
 
 
 def test_first_session_over_http(start_gunicorn, api_key):
@@ -172,3 +177,60 @@ def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
             time.sleep(0.3)
             quick = finished("GET", server.url + "/v1/pets?limit=1")
             assert quick < slow.result()
+
+
+def test_the_metrics_directory_it_made_is_removed_when_it_stops(start_gunicorn, tmp_path, auth):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    server = start_gunicorn(env={"TMPDIR": str(temporary), "PROMETHEUS_MULTIPROC_DIR": ""})
+    assert requests.get(f"{server.url}/v1/pets", headers=auth, timeout=10).status_code == 200
+    (made,) = temporary.iterdir()
+    assert made.name.startswith("animal-store-metrics-")
+    assert any(made.glob("*.db"))  # the workers' figures are there
+    server.stop()
+    assert server.process.returncode == 0
+    assert list(temporary.iterdir()) == []
+
+
+def test_a_metrics_directory_it_was_given_is_kept(start_gunicorn, tmp_path):
+    given = tmp_path / "metrics"
+    given.mkdir()
+    server = start_gunicorn(workers=1, env={"PROMETHEUS_MULTIPROC_DIR": str(given)})
+    requests.get(f"{server.url}/healthz", timeout=10)
+    server.stop()
+    assert given.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("variable", "text"),
+    [
+        ("ANIMAL_STORE_MAX_CONTENT_LENGTH", "64k"),
+        ("ANIMAL_STORE_OPENAPI_SERVERS", '[{"url": "https://pets.example.net/v1"'),
+        ("ANIMAL_STORE_RATELIMIT_ENABLED", "False"),
+        ("ANIMAL_STORE_MAX_CONTENT_LENTGH", "131072"),
+    ],
+)
+def test_a_bad_setting_stops_gunicorn_before_any_worker_in_one_line(tmp_path, variable, text):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("ANIMAL_STORE_")}
+    environment |= {variable: text, "TMPDIR": str(temporary), "PROMETHEUS_MULTIPROC_DIR": ""}
+    result = subprocess.run(
+        [*GUNICORN, "--bind", "127.0.0.1:0", "--workers", "2"],
+        cwd=PROJECT_DIR,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr == ""
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["message"] for line in lines[:-1]] == [f"Starting gunicorn {gunicorn.__version__}"]
+    refusal = lines[-1]
+    assert refusal["level"] == "ERROR"
+    assert refusal["message"].startswith(
+        (f"Setting {variable[13:]} from {variable} is {text!r}", f"{variable} names no setting")
+    )
+    assert list(temporary.iterdir()) == []

@@ -2,9 +2,14 @@
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+import requests
+from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
 
 
 def log_lines(capsys):
@@ -148,3 +153,37 @@ def test_a_handler_the_operator_adds_gets_the_request_lines(client, capsys):
     )
     [line] = log_lines(capsys)
     assert (line["path"], line["request_id"]) == ("/healthz", "req-3")
+
+
+def test_the_development_server_writes_one_line_a_request_and_no_colour_codes(
+    database_url, tmp_path
+):
+    port = free_port()
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "flask", "--app", "animal_store", "run", "--port", str(port)],
+            cwd=PROJECT_DIR,
+            env={**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=err,
+        )
+        try:
+            wait_for_port(server, port, "flask run", stderr.read_text, timeout=30)
+            for path in ("/healthz", "/nowhere"):
+                requests.get(f"http://127.0.0.1:{port}{path}", timeout=10)
+        finally:
+            stop_process(server, timeout=10)
+    # Flask says " * Serving Flask app ..." on stdout; the app's lines are the JSON ones.
+    printed = stdout.read_text().splitlines()
+    lines = [json.loads(line) for line in printed if line.startswith("{")]
+    assert [(line["path"], line["status"]) for line in lines] == [
+        ("/healthz", 200),
+        ("/nowhere", 404),
+    ]
+    said = stderr.read_text()
+    assert f" * Running on http://127.0.0.1:{port}" in said
+    assert "Press CTRL+C to quit" in said
+    others = [line for line in printed if not line.startswith("{")] + said.splitlines()
+    assert not [line for line in others if "/healthz" in line or "/nowhere" in line]
+    assert "\x1b[" not in stdout.read_text() + said

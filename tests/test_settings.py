@@ -1,16 +1,31 @@
-"""Where the settings come from, and a deployment that lacks its secrets refusing to start."""
+"""Where the settings come from, each one checked at boot against its declaration, and a
+deployment that lacks its secrets or has a bad value refusing to start."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
+from conftest import PROJECT_DIR
 
-from animal_store import create_app
+from animal_store import create_app, default_settings
 from animal_store.extensions import db
+from animal_store.settings import SettingsError
+from animal_store.settings_schema import SETTING_FIELDS, expected, settings_reference
+
+DEFAULTS = {name: getattr(default_settings, name) for name in SETTING_FIELDS}
+DOCS = PROJECT_DIR / "docs" / "configuration.rst"
 
 
 @pytest.fixture
 def clean_environment(monkeypatch, tmp_path):
-    for name in ("DATABASE_URL", "ANIMAL_STORE_ENV", "ANIMAL_STORE_MAX_CONTENT_LENGTH"):
-        monkeypatch.delenv(name, raising=False)
+    for name in os.environ:
+        if name == "DATABASE_URL" or name.startswith("ANIMAL_STORE_"):
+            monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -41,7 +56,7 @@ def test_default_database_is_sqlite_in_instance_folder(clean_environment):
 @pytest.mark.parametrize("environment", ["production", "staging"])
 def test_deployment_without_database_url_fails_at_boot(clean_environment, environment):
     clean_environment.setenv("ANIMAL_STORE_ENV", environment)
-    with pytest.raises(RuntimeError, match="needs 'DATABASE_URL'"):
+    with pytest.raises(SettingsError, match="needs 'DATABASE_URL'"):
         create_app()
 
 
@@ -55,7 +70,7 @@ def test_deployment_reads_its_settings_file(clean_environment, environment):
 
 def test_unknown_deployment_fails_at_boot(clean_environment):
     clean_environment.setenv("ANIMAL_STORE_ENV", "prod")
-    with pytest.raises(RuntimeError, match="has no file"):
+    with pytest.raises(SettingsError, match="has no file"):
         create_app()
 
 
@@ -85,5 +100,240 @@ def test_sqlite_connections_get_wal_busy_timeout_foreign_keys_and_full_sync(app)
 def test_renamed_setting_stops_the_boot_naming_the_new_one(clean_environment, tmp_path, old, new):
     clean_environment.setenv("DATABASE_URL", f"sqlite:///{tmp_path}/store.sqlite3")
     clean_environment.setenv(f"ANIMAL_STORE_{old}", "false")
-    with pytest.raises(RuntimeError, match=f"ANIMAL_STORE_{new}"):
+    with pytest.raises(SettingsError, match=f"ANIMAL_STORE_{new}"):
         create_app()
+
+
+# Every setting, with values the environment might bring that it must refuse (the text of
+# ANIMAL_STORE_<SETTING>); tests/test_settings.py checks that no declared setting is missing.
+BAD_VALUES = [
+    ("DATABASE_URL", "mysql://store@db/store"),
+    ("DATABASE_URL", "postgresql+psycopg2://store@db/store"),
+    ("DATABASE_URL", "the database"),
+    ("SQLITE_FILENAME", "../store.sqlite3"),
+    ("SQLITE_FILENAME", '""'),
+    ("MAX_CONTENT_LENGTH", "64k"),
+    ("MAX_CONTENT_LENGTH", "0"),
+    ("MAX_CONTENT_LENGTH", "65536.5"),
+    ("MAX_CONTENT_LENGTH", '"65536"'),
+    ("SQLITE_BUSY_TIMEOUT", "-1"),
+    ("SQLITE_BUSY_TIMEOUT", "5s"),
+    ("SQLALCHEMY_ENGINE_OPTIONS", "pool_pre_ping"),
+    ("SQLALCHEMY_ENGINE_OPTIONS", "[]"),
+    ("DATABASE_DEADLINE", "0"),
+    ("DATABASE_DEADLINE", "NaN"),
+    ("DATABASE_CONNECT_TIMEOUT", "1"),
+    ("DATABASE_CONNECT_TIMEOUT", "2.5"),
+    ("DATABASE_STATEMENT_TIMEOUT", "0"),
+    ("DATABASE_POOL_TIMEOUT", "-5"),
+    ("ANSWER_CACHE_BYTES", "-1"),
+    ("ANSWER_CACHE_BYTES", "8M"),
+    ("DATABASE_BEHIND_PGBOUNCER", "yes"),
+    ("DATABASE_BEHIND_PGBOUNCER", '"false"'),
+    (
+        "GET_PET_DEPRECATION",
+        '{"since": "2026-11-22", "sunset": "2030-12-05", "successor": "/v1/pets"}',
+    ),
+    (
+        "GET_PET_DEPRECATION",
+        '{"since": "2030-12-05T00:00:00Z", "sunset": "2026-11-22T00:00:00Z", '
+        '"successor": "/v1/pets"}',
+    ),
+    ("GET_PET_DEPRECATION", '{"since": "2026-11-22T00:00:00Z", "sunset": "2030-12-05T00:00:00Z"}'),
+    ("KEY_LAST_USED_RESOLUTION", "-1"),
+    ("KEY_CACHE_SECONDS", "-1"),
+    ("KEY_CACHE_SIZE", "-1"),
+    ("KEY_CACHE_SIZE", "1e3"),
+    ("OPENAPI_SERVERS", '[{"url": "https://pets.example.net/api"}]'),
+    ("OPENAPI_SERVERS", '[{"url": "https://pets.example.net/v1"'),
+    ("OPENAPI_SERVERS", '{"url": "https://pets.example.net/v1"}'),
+    ("OPENAPI_SERVERS", "[]"),
+    ("OPENAPI_SERVERS", '[{"url": "https://pets.example.net/v1", "title": "Production"}]'),
+    ("IDEMPOTENCY_TTL", "0"),
+    ("IDEMPOTENCY_LEASE", "0"),
+    ("IDEMPOTENCY_PURGE_CHANCE", "1.5"),
+    ("IDEMPOTENCY_PURGE_CHANCE", "-0.1"),
+    ("READYZ_TIMEOUT", "0"),
+    ("DATABASE_RETRY_AFTER", "1.5"),
+    ("DATABASE_RETRY_AFTER", "-1"),
+    ("LOG_LEVEL", "info"),
+    ("LOG_LEVEL", "VERBOSE"),
+    ("TRUSTED_PROXIES", "127.0.0.1"),
+    ("TRUSTED_PROXIES", '["nginx"]'),
+    ("TRUSTED_PROXY_HOPS", "0"),
+    ("RATE_LIMIT", "plenty"),
+    ("RATE_LIMIT", "null"),
+    ("RATELIMIT_ENABLED", "False"),
+    ("RATELIMIT_ENABLED", '"off"'),
+    ("RATELIMIT_STORAGE_URI", "127.0.0.1:6379"),
+    ("RATELIMIT_STORAGE_URI", "http://redis.example:6379/0"),
+    ("RATELIMIT_SYNC_INTERVAL", "-1"),
+    ("RATELIMIT_RETRY_INTERVAL", "0"),
+    ("RATELIMIT_STORAGE_OPTIONS", "socket_timeout=1"),
+    ("AUTH_FAILURE_LIMIT", "many"),
+    ("AUTH_FAILURE_EXEMPT", '["10.0.0.300"]'),
+    ("AUTH_FAILURE_EXEMPT", '["10.0.0.0/33"]'),
+    ("AUTH_FAILURE_EXEMPT", "10.0.0.0/8"),
+    ("KEY_MISS_CACHE_SECONDS", "-1"),
+    ("KEY_MISS_CACHE_SIZE", "-1"),
+    ("CORS_ORIGINS", "https://shop.example"),
+    ("CORS_ORIGINS", '[""]'),
+    ("CORS_METHODS", '["FETCH"]'),
+    ("CORS_ALLOW_HEADERS", '["Content Type"]'),
+    ("CORS_EXPOSE_HEADERS", '["X-Request-ID:"]'),
+    ("CORS_MAX_AGE", "-1"),
+    ("CORS_ALWAYS_SEND", '"yes"'),
+]
+
+
+def test_every_setting_has_bad_values_tried():
+    assert {name for name, _ in BAD_VALUES} == set(SETTING_FIELDS)
+
+
+def test_every_default_setting_is_declared_and_every_declared_one_has_a_default():
+    defaults = {name for name in dir(default_settings) if name.isupper() and name != "UTC"}
+    assert defaults == set(SETTING_FIELDS)
+
+
+@pytest.mark.parametrize(("name", "text"), BAD_VALUES)
+def test_a_bad_setting_from_the_environment_stops_the_boot_in_one_line(
+    clean_environment, name, text
+):
+    clean_environment.setenv(f"ANIMAL_STORE_{name}", text)
+    with pytest.raises(SettingsError) as refused:
+        create_app()
+    said = refused.value.format_message()
+    assert said.startswith(f"Setting {name} from ANIMAL_STORE_{name} is {text!r}")
+    assert said.endswith(f": expected {expected(name)}.")
+    assert "\n" not in said
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"MAX_CONTENT_LENGTH": "64k"}, "Setting MAX_CONTENT_LENGTH from test_config is '64k'"),
+        ({"KEY_CACHE_SECONDS": -1}, "Setting KEY_CACHE_SECONDS from test_config is -1"),
+        ({"RATELIMIT_ENABLED": "False"}, "Setting RATELIMIT_ENABLED from test_config is 'False'"),
+        (
+            {"OPENAPI_SERVERS": [{"url": "https://pets.example.net/api"}]},
+            "Setting OPENAPI_SERVERS from test_config is [{'url': 'https://pets.example.net/api'}]",
+        ),
+    ],
+)
+def test_a_bad_setting_from_test_config_stops_the_boot(settings, said):
+    with pytest.raises(SettingsError, match=re.escape(said)):
+        create_app({"DATABASE_URL": "sqlite://", **settings})
+
+
+@pytest.mark.parametrize("environment", ["production", "staging"])
+def test_a_bad_database_url_through_the_deployment_file_stops_the_boot(
+    clean_environment, environment
+):
+    clean_environment.setenv("ANIMAL_STORE_ENV", environment)
+    clean_environment.setenv("DATABASE_URL", "mysql://store@db/store")
+    with pytest.raises(SettingsError) as refused:
+        create_app()
+    assert refused.value.format_message() == (
+        f"Setting DATABASE_URL is 'mysql://store@db/store': expected {expected('DATABASE_URL')}."
+    )
+
+
+def test_every_bad_setting_is_said_one_line_each(clean_environment):
+    clean_environment.setenv("ANIMAL_STORE_MAX_CONTENT_LENGTH", "64k")
+    clean_environment.setenv("ANIMAL_STORE_LOG_LEVEL", "loud")
+    with pytest.raises(SettingsError) as refused:
+        create_app()
+    lines = refused.value.format_message().splitlines()
+    assert [line.split()[1] for line in lines] == ["MAX_CONTENT_LENGTH", "LOG_LEVEL"]
+
+
+@pytest.mark.parametrize(
+    "variable", ["ANIMAL_STORE_MAX_CONTENT_LENTGH", "ANIMAL_STORE_RATELIMIT", "ANIMAL_STORE_X__Y"]
+)
+def test_an_environment_variable_that_names_no_setting_stops_the_boot(clean_environment, variable):
+    clean_environment.setenv(variable, "1")
+    with pytest.raises(SettingsError, match=f"^{variable} names no setting"):
+        create_app()
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "name", "value"),
+    [
+        ("ANIMAL_STORE_RATELIMIT_ENABLED", "false", "RATELIMIT_ENABLED", False),
+        ("ANIMAL_STORE_AUTH_FAILURE_LIMIT", "null", "AUTH_FAILURE_LIMIT", None),
+        ("ANIMAL_STORE_LOG_LEVEL", "WARNING", "LOG_LEVEL", "WARNING"),
+        ("ANIMAL_STORE_DATABASE_DEADLINE", "2", "DATABASE_DEADLINE", 2.0),
+        (
+            "ANIMAL_STORE_GET_PET_DEPRECATION__sunset",
+            '"2031-01-01T00:00:00Z"',
+            "GET_PET_DEPRECATION",
+            {
+                "since": datetime(2026, 11, 22, tzinfo=UTC),
+                "sunset": datetime(2031, 1, 1, tzinfo=UTC),
+                "successor": "/v1/pets",
+            },
+        ),
+    ],
+)
+def test_a_good_setting_from_the_environment_is_loaded_as_its_type(
+    clean_environment, variable, text, name, value
+):
+    clean_environment.setenv(variable, text)
+    app = create_app()
+    assert app.config[name] == value
+    assert getattr(app.extensions["animal_store_settings"], name) == value
+
+
+def test_a_deprecation_from_the_environment_reaches_the_headers(clean_environment, tmp_path):
+    clean_environment.setenv("DATABASE_URL", f"sqlite:///{tmp_path}/unused.sqlite3")
+    clean_environment.setenv(
+        "ANIMAL_STORE_GET_PET_DEPRECATION",
+        '{"since": "2026-11-22T00:00:00Z", "sunset": "2031-01-01T00:00:00+00:00", '
+        '"successor": "/v1/pets"}',
+    )
+    document = create_app().test_client().get("/v1/openapi.json").get_json()
+    get_pet = document["paths"]["/pets/{petId}"]["get"]
+    assert "removed on 2031-01-01" in get_pet["description"]
+
+
+def test_the_configuration_docs_list_every_setting_as_declared():
+    docs = DOCS.read_text()
+    start = docs.index(".. settings-start\n") + len(".. settings-start\n")
+    end = docs.index(".. settings-end\n")
+    assert docs[start:end].strip("\n") == settings_reference(DEFAULTS).strip("\n"), (
+        "docs/configuration.rst is out of date: put settings_reference()'s text "
+        "(animal_store/settings_schema.py) between its settings-start and settings-end lines"
+    )
+
+
+def test_the_defaults_written_as_the_environment_would_load_back_as_the_defaults(
+    clean_environment,
+):
+    # The docs show each default in this form: what ANIMAL_STORE_<SETTING> would hold.
+    for name, value in DEFAULTS.items():
+        as_text = json.dumps(SETTING_FIELDS[name].serialize(name, {name: value}))
+        clean_environment.setenv(f"ANIMAL_STORE_{name}", as_text)
+    app = create_app()
+    assert {name: app.config[name] for name in DEFAULTS} == DEFAULTS
+
+
+def test_the_flask_command_says_a_bad_setting_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", "keys", "list"],
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "ANIMAL_STORE_MAX_CONTENT_LENGTH": "64k",
+            "PYTHONPATH": str(PROJECT_DIR),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        "Error: Setting MAX_CONTENT_LENGTH from ANIMAL_STORE_MAX_CONTENT_LENGTH is '64k': "
+        f"expected {expected('MAX_CONTENT_LENGTH')}.\n"
+    )

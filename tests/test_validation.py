@@ -90,6 +90,41 @@ def test_create_pet_with_malformed_json_returns_400(client, auth, count_pets, ra
     assert count_pets() == 0
 
 
+FIX_JSON = (
+    "send one JSON object, in UTF-8, its names and strings in double quotes, "
+    "with no trailing comma."
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"", "The body is empty: send one JSON object."),
+        (b" \r\n\t", "The body is empty: send one JSON object."),
+        (
+            b'{"name": "Rex",\n "categoryId": 1',
+            f"The body is not valid JSON at line 2, column 17: {FIX_JSON}",
+        ),
+        (b"{'name': 'Rex'}", f"The body is not valid JSON at line 1, column 2: {FIX_JSON}"),
+        (
+            b'{"name": "Rex", "categoryId": 1,}',
+            f"The body is not valid JSON at line 1, column 32: {FIX_JSON}",
+        ),
+        (
+            b'{"name": "Rex", "categoryId": NaN}',
+            f"The body is not valid JSON at line 1, column 31: {FIX_JSON}",
+        ),
+        (b"[]", "The body must be a JSON object."),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_answered_with_what_to_fix(client, auth, raw, message):
+    response = client.post(
+        "/v1/pets", data=raw, headers=auth | {"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.get_json() == {"code": "invalid_json", "message": message, "status": 400}
+
+
 @pytest.mark.parametrize(
     "content_type",
     [

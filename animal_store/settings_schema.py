@@ -1,0 +1,413 @@
+"""What each setting must be: its type, its constraint and its meaning, declared once.
+
+The declarations are checked at boot against the merged settings (defaults, the deployment's
+file, the environment, test_config), and docs/configuration.rst lists them as
+settings_reference() renders them (tests/test_settings.py compares the two).
+"""
+
+import dataclasses
+import ipaddress
+import json
+import textwrap
+from datetime import datetime
+from typing import Any, NotRequired, TypedDict
+
+from marshmallow import Schema, ValidationError, fields, validates_schema
+from marshmallow.validate import Length, OneOf, Range, Regexp
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from animal_store.api import BASE_PATH
+from animal_store.rate_limits import check_limit
+
+# Databases the service runs on, by SQLAlchemy backend: the drivers it ships with.
+DATABASE_DRIVERS = {"sqlite": {"pysqlite"}, "postgresql": {"psycopg"}, "postgres": {"psycopg"}}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# RFC 9110's token: the characters of a header name.
+HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+
+
+def expecting(field: fields.Field, expected: str) -> fields.Field:
+    """Say what the field accepts, in the words the boot error and the docs use."""
+    field.metadata = {**field.metadata, "expected": expected}
+    field.required = True
+    return field
+
+
+def integer(at_least: int) -> fields.Field:
+    # strict: 1.5 and "5" are refused rather than rounded or parsed.
+    return expecting(
+        fields.Integer(strict=True, validate=Range(min=at_least)),
+        f"an integer, at least {at_least}",
+    )
+
+
+def seconds(at_least: float | None = None, above: float | None = None) -> fields.Field:
+    if above is not None:
+        return expecting(
+            fields.Float(validate=Range(min=above, min_inclusive=False)),
+            f"a number of seconds above {above:g}",
+        )
+    return expecting(
+        fields.Float(validate=Range(min=at_least)), f"a number of seconds, at least {at_least:g}"
+    )
+
+
+def share() -> fields.Field:
+    return expecting(fields.Float(validate=Range(min=0, max=1)), "a number from 0 to 1")
+
+
+def boolean() -> fields.Field:
+    # Only JSON's true and false: the string "False" must not turn anything on.
+    return expecting(fields.Boolean(truthy={True}, falsy={False}), "true or false")
+
+
+def one_of(choices: tuple[str, ...]) -> fields.Field:
+    return expecting(fields.String(validate=OneOf(choices)), "one of " + ", ".join(choices))
+
+
+def options(of_what: str) -> fields.Field:
+    return expecting(fields.Dict(keys=fields.String()), f"an object of {of_what}")
+
+
+def validator(check, message: str):
+    """Turn a check that raises ValueError into a marshmallow validator."""
+
+    def validate(value) -> None:
+        try:
+            check(value)
+        except (TypeError, ValueError) as error:
+            raise ValidationError(message) from error
+
+    return validate
+
+
+def check_database_url(url: str) -> None:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as error:
+        raise ValueError(url) from error
+    drivers = DATABASE_DRIVERS.get(parsed.get_backend_name())
+    if drivers is None or parsed.drivername.partition("+")[2] not in ("", *drivers):
+        raise ValueError(url)
+
+
+def check_redis_or_memory(uri: str) -> None:
+    if uri != "memory://" and not uri.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(uri)
+
+
+def check_server_url(url: str) -> None:
+    if not url.endswith(BASE_PATH):
+        raise ValueError(url)
+
+
+def rate_limit(off: bool = False) -> fields.Field:
+    expected = 'a rate limit such as "100/second" or "6000 per minute"'
+    return expecting(
+        fields.String(allow_none=off, validate=validator(check_limit, "Not a rate limit.")),
+        expected + (", or null (off)" if off else ""),
+    )
+
+
+def strings(item: fields.Field, expected: str) -> fields.Field:
+    return expecting(fields.List(item), expected)
+
+
+class ServerSchema(Schema):
+    url = fields.String(
+        required=True,
+        validate=validator(check_server_url, f"Must end with {BASE_PATH}."),
+    )
+    description = fields.String()
+
+
+class DeprecationSchema(Schema):
+    since = fields.AwareDateTime(required=True)
+    sunset = fields.AwareDateTime(required=True)
+    successor = fields.String(required=True, validate=Regexp(r"^/"))
+
+    @validates_schema
+    def sunset_after_since(self, data, **_kwargs) -> None:
+        if data["sunset"] <= data["since"]:
+            raise ValidationError("The sunset must come after the deprecation.")
+
+
+class Server(TypedDict):
+    url: str
+    description: NotRequired[str]
+
+
+class Deprecation(TypedDict):
+    since: datetime
+    sunset: datetime
+    successor: str
+
+
+def setting(field: fields.Field, meaning: str) -> Any:
+    """Declare a setting: the field that loads and checks its value, and its meaning in the docs
+    (reStructuredText)."""
+    return dataclasses.field(metadata={"field": field, "meaning": meaning})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The service's settings, checked, with their types."""
+
+    DATABASE_URL: str | None = setting(
+        expecting(
+            fields.String(
+                allow_none=True,
+                validate=validator(check_database_url, "Not a database URL."),
+            ),
+            "a database URL such as postgresql://user:password@host:5432/name or "
+            "sqlite:////absolute/path, or null (SQLite in the instance folder)",
+        ),
+        "SQLAlchemy URL of the database; ``postgresql://...`` uses psycopg 3. ``null``: SQLite "
+        "in ``instance/`` (development). Usually set as ``DATABASE_URL`` (`Environment "
+        "variables`_)",
+    )
+    SQLITE_FILENAME: str = setting(
+        expecting(fields.String(validate=Regexp(r"^[^/\\]+$")), "a file name, without a directory"),
+        "The SQLite file in ``instance/`` when ``DATABASE_URL`` is ``null``",
+    )
+    MAX_CONTENT_LENGTH: int = setting(
+        integer(at_least=1), "Largest request body in bytes (413 beyond)"
+    )
+    SQLITE_BUSY_TIMEOUT: float = setting(
+        seconds(at_least=0), "Seconds a SQLite writer waits for another"
+    )
+    SQLALCHEMY_ENGINE_OPTIONS: dict[str, Any] = setting(
+        options("SQLAlchemy create_engine() options"),
+        "SQLAlchemy's engine options (PostgreSQL's time limits are added to them)",
+    )
+    DATABASE_DEADLINE: float = setting(
+        seconds(above=0),
+        "PostgreSQL: seconds after a request's start by which its database work is over, the "
+        "server answering or not (then 503); well under gunicorn's ``timeout`` (`Deploy "
+        "<deploy.rst>`__, Timeouts: a ladder)",
+    )
+    DATABASE_CONNECT_TIMEOUT: int = setting(
+        integer(at_least=2),
+        "PostgreSQL: seconds to open a connection (libpq ``connect_timeout``, a whole number, "
+        "at least 2); a request waits only what its deadline has left",
+    )
+    DATABASE_STATEMENT_TIMEOUT: float = setting(
+        seconds(above=0),
+        "PostgreSQL: seconds a statement may run (``statement_timeout``) before a live server "
+        "cancels it (503); under the deadline",
+    )
+    DATABASE_POOL_TIMEOUT: float = setting(
+        seconds(above=0),
+        "PostgreSQL: seconds to wait for a pooled connection (threaded servers only); at most "
+        "the deadline",
+    )
+    ANSWER_CACHE_BYTES: int = setting(
+        integer(at_least=0),
+        "Bytes of unchanging answers (an animal's, a full page's) each worker keeps to send "
+        "again; 0: none (`API <api.rst>`__, Conditional requests)",
+    )
+    DATABASE_BEHIND_PGBOUNCER: bool = setting(
+        boolean(),
+        "True when ``DATABASE_URL`` is PgBouncer in transaction pooling: no prepared "
+        "statements, no timeout sent at connect (`Deploy <deploy.rst>`__)",
+    )
+    GET_PET_DEPRECATION: Deprecation = setting(
+        expecting(
+            fields.Nested(DeprecationSchema),
+            'an object {"since": date-time, "sunset": a later date-time, "successor": "/path"}, '
+            "the date-times in ISO 8601 with their offset",
+        ),
+        "The deprecation of getPet: the dates and successor in its ``Deprecation``, ``Sunset`` and "
+        "``Link`` headers and in the OpenAPI document",
+    )
+    KEY_LAST_USED_RESOLUTION: float = setting(
+        seconds(at_least=0), "Seconds between writes of a key's last-used time"
+    )
+    KEY_CACHE_SECONDS: float = setting(
+        seconds(at_least=0),
+        "Seconds a worker trusts a cached valid key: the longest a revoked key keeps working "
+        "(0: no cache)",
+    )
+    KEY_CACHE_SIZE: int = setting(
+        integer(at_least=0), "Keys each worker caches at most (LRU; 0: no cache)"
+    )
+    OPENAPI_SERVERS: list[Server] = setting(
+        expecting(
+            fields.List(fields.Nested(ServerSchema), validate=Length(min=1)),
+            'a list of at least one server {"url": "https://host/v1", "description": "..."}, '
+            f"each URL ending in {BASE_PATH}",
+        ),
+        "The OpenAPI document's servers: where this deployment answers (`API <api.rst>`__)",
+    )
+    IDEMPOTENCY_TTL: float = setting(
+        seconds(above=0), "Seconds an ``Idempotency-Key`` is remembered"
+    )
+    IDEMPOTENCY_LEASE: float = setting(
+        seconds(above=0),
+        "Seconds before a key whose request never finished can be taken over (a dead worker's)",
+    )
+    IDEMPOTENCY_PURGE_CHANCE: float = setting(
+        share(), "Share of keyed requests that also purge expired keys"
+    )
+    READYZ_TIMEOUT: float = setting(
+        seconds(above=0),
+        "Seconds PostgreSQL gets to answer ``/readyz``'s ``SELECT 1``: the probe's own deadline",
+    )
+    DATABASE_RETRY_AFTER: int = setting(
+        integer(at_least=0),
+        "``Retry-After`` seconds on the 503 of a database outage, ``/readyz``'s included",
+    )
+    LOG_LEVEL: str = setting(
+        one_of(LOG_LEVELS),
+        "Level of the JSON log lines; ``INFO`` includes one line per request, ``WARNING`` drops "
+        "them",
+    )
+    TRUSTED_PROXIES: list[str] = setting(
+        strings(
+            fields.String(validate=validator(ipaddress.ip_address, "Not an IP address.")),
+            'a list of IP addresses, such as ["127.0.0.1", "::1"]',
+        ),
+        "Peer addresses of the proxies whose ``X-Forwarded-*`` headers count; none by default, "
+        "nginx on the machine (``127.0.0.1``, ``::1``) in ``config/production.py`` and "
+        "``staging.py``",
+    )
+    TRUSTED_PROXY_HOPS: int = setting(
+        integer(at_least=1), "Hops of ``X-Forwarded-*`` a trusted proxy sends"
+    )
+    RATE_LIMIT: str = setting(
+        rate_limit(),
+        "Requests per API key to the operations of /v1, fixed window, for keys without their "
+        "own (``keys set-limit``)",
+    )
+    RATELIMIT_ENABLED: bool = setting(boolean(), "False turns rate limiting off")
+    RATELIMIT_STORAGE_URI: str = setting(
+        expecting(
+            fields.String(validate=validator(check_redis_or_memory, "Not a storage URI.")),
+            "memory:// or a Redis URL (redis://host:6379/0, rediss://..., unix:///path)",
+        ),
+        "Where counts live; ``redis://host:6379/0`` shares them among workers and instances "
+        "(production and staging: the machine's Redis); ``memory://`` counts per process "
+        "(workers warn at boot)",
+    )
+    RATELIMIT_SYNC_INTERVAL: float = setting(
+        seconds(at_least=0),
+        "Seconds between a worker's syncs of its counts with Redis, each made by the request "
+        "that finds it due: a key may pass its limit by what it sends in that time; 0: exact, a "
+        "round trip per request",
+    )
+    RATELIMIT_RETRY_INTERVAL: float = setting(
+        seconds(above=0),
+        "Seconds between a worker's tries while Redis does not answer (it counts alone meanwhile)",
+    )
+    RATELIMIT_STORAGE_OPTIONS: dict[str, Any] = setting(
+        options("redis-py connection options"),
+        "Options of redis-py, the Redis client: its socket timeouts are the most a sync waits "
+        "for a stuck Redis before the worker counts alone",
+    )
+    AUTH_FAILURE_LIMIT: str | None = setting(
+        rate_limit(off=True),
+        "Failed key checks per client address (fixed window, counted with the rate limits); "
+        "past it the address's requests without a key the worker knows valid get 429 before "
+        "any look-up; ``null``: off (`Operations <operations.rst>`__, Rate limits)",
+    )
+    AUTH_FAILURE_EXEMPT: list[str] = setting(
+        strings(
+            fields.String(
+                validate=validator(
+                    lambda entry: ipaddress.ip_network(entry, strict=False),
+                    "Not an IP address or network.",
+                )
+            ),
+            'a list of IP addresses and networks, such as ["192.0.2.7", "10.0.0.0/8"]',
+        ),
+        "Addresses and networks whose failed key checks are never limited (a gateway many "
+        "clients share)",
+    )
+    KEY_MISS_CACHE_SECONDS: float = setting(
+        seconds(at_least=0),
+        "Seconds a worker remembers a key its look-up did not find, refusing it again without "
+        "a query (0: never)",
+    )
+    KEY_MISS_CACHE_SIZE: int = setting(
+        integer(at_least=0), "Such keys each worker remembers at most (0: none)"
+    )
+    CORS_ORIGINS: list[str] = setting(
+        strings(
+            fields.String(validate=Length(min=1)),
+            'a list of origins, such as ["https://shop.example"]',
+        ),
+        "Origins whose pages may call the API from a browser; empty: no CORS headers at all",
+    )
+    CORS_METHODS: list[str] = setting(
+        strings(fields.String(validate=OneOf(HTTP_METHODS)), "a list of HTTP methods"),
+        "Methods a page may use (Flask-CORS's setting)",
+    )
+    CORS_ALLOW_HEADERS: list[str] = setting(
+        strings(fields.String(validate=Regexp(HEADER_NAME)), "a list of header names"),
+        "Headers a page may send (preflights ask for them)",
+    )
+    CORS_EXPOSE_HEADERS: list[str] = setting(
+        strings(fields.String(validate=Regexp(HEADER_NAME)), "a list of header names"),
+        "Headers of the answers a page may read",
+    )
+    CORS_MAX_AGE: int = setting(
+        integer(at_least=0), "Seconds a browser may reuse a preflight's answer"
+    )
+    CORS_ALWAYS_SEND: bool = setting(
+        boolean(), "False: only answers to a listed origin carry CORS headers"
+    )
+
+
+SETTING_FIELDS = {field.name: field.metadata["field"] for field in dataclasses.fields(Settings)}
+SettingsSchema = Schema.from_dict(SETTING_FIELDS, name="SettingsSchema")
+# Longer defaults are left to the file: a line of JSON that long helps no one.
+LONGEST_DEFAULT_SHOWN = 60
+
+
+def load(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return the settings loaded (their values converted, e.g. date-times parsed) and the
+    problems by setting name: marshmallow's messages."""
+    try:
+        return SettingsSchema().load(values), {}
+    except ValidationError as error:
+        return {}, error.messages_dict
+
+
+def expected(name: str) -> str:
+    return SETTING_FIELDS[name].metadata["expected"]
+
+
+def shown_default(name: str, value: Any) -> str:
+    dumped = json.dumps(SETTING_FIELDS[name].serialize(name, {name: value}))
+    if len(dumped) > LONGEST_DEFAULT_SHOWN:
+        return "see ``animal_store/default_settings.py``"
+    return f"``{dumped}``"
+
+
+def settings_reference(defaults: dict[str, Any]) -> str:
+    """Render the settings for docs/configuration.rst: name, meaning, what is expected and the
+    default, as the environment would give it."""
+    entries = []
+    for field in dataclasses.fields(Settings):
+        meaning = field.metadata["meaning"]
+        paragraphs = (
+            f"{meaning}.",
+            f"Expected: {expected(field.name)}.",
+            # A paragraph of its own, so a short default is never split across lines.
+            f"Default: {shown_default(field.name, defaults[field.name])}.",
+        )
+        wrapped = (
+            textwrap.fill(
+                paragraph,
+                width=100,
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            for paragraph in paragraphs
+        )
+        entries.append(f"``{field.name}``\n" + "\n\n".join(wrapped) + "\n")
+    return "\n".join(entries)
