@@ -14,8 +14,12 @@ def load_settings(app, test_config=None) -> None:
     app.config.from_object("animal_store.default_settings")
     if test_config is not None:
         app.config.from_mapping(test_config)
+        source = "the settings given to create_app"
     else:
         load_deployment_settings(app)
+        source = database_source(app)
+    # For the command line to say where its database came from (database.py).
+    app.extensions["animal_store_database_source"] = source
     refuse_renamed_settings(app)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
@@ -37,6 +41,23 @@ def load_deployment_settings(app) -> None:
         app.config["DATABASE_URL"] = os.environ["DATABASE_URL"]
     # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses.
     app.config.from_prefixed_env("ANIMAL_STORE")
+
+
+def database_source(app) -> str:
+    """Say where DATABASE_URL came from: the environment, a settings file or the default."""
+    environment = os.environ.get("ANIMAL_STORE_ENV")
+    settings_file = f"config/{environment}.py, as ANIMAL_STORE_ENV={environment}"
+    if "ANIMAL_STORE_DATABASE_URL" in os.environ:
+        return "ANIMAL_STORE_DATABASE_URL from the environment"
+    if not app.config["DATABASE_URL"]:
+        if environment:
+            return f"the development default: {settings_file}, sets no DATABASE_URL"
+        return "the development default: neither ANIMAL_STORE_ENV nor DATABASE_URL is set"
+    if app.config["DATABASE_URL"] == os.environ.get("DATABASE_URL"):
+        if environment:
+            return f"DATABASE_URL from the environment, through {settings_file}"
+        return "DATABASE_URL from the environment; ANIMAL_STORE_ENV is unset"
+    return settings_file
 
 
 # Settings renamed to the RATELIMIT_* names (Flask-Limiter's, kept). An old name stops the boot
