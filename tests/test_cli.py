@@ -171,6 +171,7 @@ DATA_COMMANDS = [
     ["keys", "revoke", "shop"],
     ["idempotency", "purge"],
     ["seed", "1"],
+    ["backup", "{tmp_path}/backup.sqlite3"],
 ]
 
 
