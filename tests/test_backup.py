@@ -265,7 +265,9 @@ def count_animals(keywords):
 
 
 @on_own_cluster
-def test_postgres_backup_and_restore_with_a_password_role(store, tool_shims, tmp_path):
+def test_postgres_backup_and_restore_with_a_password_role(
+    password_cluster, store, tool_shims, tmp_path
+):
     url, keywords = store
     path, record = tool_shims
     # The role does need its password: without one the server refuses.
@@ -311,6 +313,14 @@ def test_postgres_backup_and_restore_with_a_password_role(store, tool_shims, tmp
         assert [pet["id"] for pet in listed.json()] == [1, 2, 3]
     finally:
         server.stop()
+
+    # Onto a new, empty database (a new server): the schema comes with the backup.
+    empty = f"empty_{uuid.uuid4().hex[:12]}"
+    password_cluster.create_database(empty, owner=keywords["user"])
+    onto_empty = flask(url.rsplit("/", 1)[0] + f"/{empty}", "restore", str(dump))
+    assert onto_empty.returncode == 0, onto_empty.stderr
+    assert "3 animals, 1 API key. Start the service again." in onto_empty.stdout
+    assert count_animals({**keywords, "dbname": empty}) == 3
 
     # The password was on no command line, in no environment variable and in nothing printed.
     calls = record.read_text()

@@ -3,6 +3,7 @@ saying which database it uses and refusing one without the schema; the documente
 
 import os
 import re
+import shlex
 import socket
 import sqlite3
 import subprocess
@@ -265,3 +266,30 @@ def test_a_command_without_the_deployment_environment_says_so_and_creates_nothin
     assert "Traceback" not in result.stderr
     assert "ask_" not in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+# docs/operations.rst: every command as it is typed on the deployed machine.
+
+DEPLOYED_FLASK = ".venv/bin/flask --app animal_store "
+
+
+def documented_commands():
+    """The commands of operations.rst's literal blocks and inline literals that run flask."""
+    text = (PROJECT_DIR / "docs" / "operations.rst").read_text()
+    text = re.sub(r"\\\n\s*", " ", text)  # a command continued on the next line
+    blocks = re.findall(r"^ {4,}\S.*$", text, re.MULTILINE)
+    inline = re.findall(r"``(.+?)``", text.replace("\n", " "))
+    # From the word that runs flask to the end or a comment, after a shell prefix such as cron's.
+    commands = [re.search(r"[\w./-]*\bflask [^`#]*", line) for line in blocks + inline]
+    return [command[0].strip() for command in commands if command]
+
+
+def test_operations_shows_every_command_as_typed_on_the_deployed_machine(runner):
+    commands = documented_commands()
+    assert len(commands) >= 15
+    for command in commands:
+        assert command.startswith(DEPLOYED_FLASK), command
+        # --help is handled first: the words name a command, and its options exist.
+        words = shlex.split(command.removeprefix(DEPLOYED_FLASK))
+        result = runner.invoke(args=[*words, "--help"])
+        assert result.exit_code == 0, f"{command}: {result.output}"
