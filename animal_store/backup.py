@@ -104,11 +104,14 @@ def sqlite_path() -> Path:
 
 def copy_database(source: Path, destination: Path) -> None:
     """Copy one SQLite database onto another with the online backup API, in one step."""
-    with (
-        closing(sqlite3.connect(source)) as reader,
-        closing(sqlite3.connect(destination)) as writer,
-    ):
-        reader.backup(writer, pages=-1)
+    try:
+        with (
+            closing(sqlite3.connect(source)) as reader,
+            closing(sqlite3.connect(destination)) as writer,
+        ):
+            reader.backup(writer, pages=-1)
+    except sqlite3.Error as error:  # a directory gone, a disk full: the operator's to mend
+        raise click.ClickException(f"Copying {source} to {destination} failed: {error}") from None
 
 
 def check_copy(path: Path) -> int:

@@ -203,6 +203,19 @@ def test_bad_paths_are_refused_with_a_message_and_change_nothing(
 
 
 @on_sqlite
+def test_restore_into_a_directory_that_is_gone_says_so(database_url, tmp_path):
+    assert flask(database_url, "backup", str(tmp_path / "backup.sqlite3")).returncode == 0
+    gone = tmp_path / "gone" / "store.sqlite3"
+    result = flask(f"sqlite:///{gone}", "restore", str(tmp_path / "backup.sqlite3"))
+    assert result.returncode == 1
+    assert f"Error: Copying {tmp_path}/backup.sqlite3 to {gone} failed: unable to open" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert not gone.parent.exists()
+
+
+@on_sqlite
 def test_sqlite_backup_is_readable_by_its_owner_only(database_url, tmp_path):
     result = flask(database_url, "backup", str(tmp_path / "backup.sqlite3"))
     assert result.returncode == 0, result.stderr
