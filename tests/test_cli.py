@@ -243,6 +243,21 @@ def test_commands_refuse_a_database_without_the_schema(tmp_path, command, databa
     assert not (tmp_path / "backup.sqlite3").exists()
 
 
+def test_a_database_that_does_not_answer_is_one_line():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = create_app({"DATABASE_URL": f"postgresql://store:s3cret@127.0.0.1:{port}/store"})
+    result = app.test_cli_runner().invoke(args=["keys", "list"])
+    with app.app_context():
+        db.engine.dispose()
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit)
+    assert "Error: Cannot use the database: connection failed:" in result.stderr
+    assert "Connection refused" in result.stderr
+    assert "s3cret" not in result.output
+
+
 def test_a_command_without_the_deployment_environment_says_so_and_creates_nothing(tmp_path):
     environment = {
         name: value
