@@ -154,6 +154,22 @@ def test_commands_say_which_database_and_where_it_came_from(tmp_path, case):
     assert result.stdout.split()[:2] == ["NAME", "PREFIX"]
 
 
+def test_db_upgrade_says_which_database_it_changes(tmp_path):
+    path = tmp_path / "store.sqlite3"
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", "db", "upgrade"],
+        cwd=PROJECT_DIR,
+        env={**os.environ, "DATABASE_URL": f"sqlite:///{path}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(f"INFO  [alembic.env] Database: sqlite:///{path} (DATABASE_URL from")
+    assert {"alembic_version", "pets", "api_keys"} <= set(tables(path))
+
+
 def test_the_database_line_masks_the_password():
     app = create_app({"DATABASE_URL": "postgresql://store:s3cret@127.0.0.1:1/store"})
     with app.app_context():
