@@ -12,6 +12,7 @@ from contextlib import closing
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from alembic.script import ScriptDirectory
 from conftest import PROJECT_DIR, migrate_to_head
 from flask_migrate import upgrade
 
@@ -221,13 +222,15 @@ def tables(path):
         return sorted(row[0] for row in connection.execute("SELECT name FROM sqlite_master"))
 
 
+# The newest migration, whichever it is now.
+HEAD = ScriptDirectory(PROJECT_DIR / "animal_store" / "migrations").get_current_head()
 UPGRADE = "run `flask --app animal_store db upgrade` first."
 DATABASES_WITHOUT_THE_SCHEMA = {
     "no file": (no_file, "No database file {path}: " + UPGRADE),
     "an empty file": (empty_file, "The database has no schema: " + UPGRADE),
     "an older schema": (
         older_schema,
-        "The database's schema is at migration 0003, this code's at 0004: " + UPGRADE,
+        f"The database's schema is at migration 0003, this code's at {HEAD}: " + UPGRADE,
     ),
     "a newer schema": (
         unknown_schema,
