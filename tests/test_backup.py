@@ -24,7 +24,8 @@ from postgres_cluster import BINDIR, PostgresCluster
 from animal_store.extensions import db
 
 on_sqlite = pytest.mark.skipif(
-    TEST_DATABASE_URL is not None, reason="SQLite's backup; the PostgreSQL run checks pg_dump's"
+    TEST_DATABASE_URL is not None,
+    reason="SQLite's; PostgreSQL's run on a cluster of their own, without TEST_DATABASE_URL",
 )
 
 
