@@ -3,7 +3,8 @@
 An animal never changes once created: the contract has no update and no delete. Nor does a full
 page of the list, one after which another animal follows: a page shows only animals that are
 settled, with no lower id still to come, on both engines (keyset.py), so an animal added later
-always comes after that next one. A page cut short before an animal not yet settled is not kept. Their JSON bodies are kept per worker, least recently used dropped first, up to
+always comes after that next one. A page cut short before an animal not yet settled is not
+kept. Their JSON bodies are kept per worker, least recently used dropped first, up to
 ANSWER_CACHE_BYTES (0: none kept); a hit skips the database and marshmallow.
 
 Only bodies are kept, with a full page the query of its next page's URL (the same for every

@@ -15,6 +15,7 @@ from werkzeug.serving import run_simple
 from animal_store import errors, rate_limits
 from animal_store.auth import SCOPES, issue_key, rotate_key
 from animal_store.backup import backup_command, restore_command
+from animal_store.database import uses_database
 from animal_store.extensions import db
 from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
@@ -94,6 +95,7 @@ def grace_option(context, parameter, value):
     callback=rate_limit_option,
     help="Requests this key may make, such as '100/second'; without it, RATE_LIMIT.",
 )
+@uses_database()
 def create_key(name, scopes, expires, rate_limit):
     """Create an API key called NAME and print it; it is shown only this once."""
     if not 1 <= len(name) <= 100:
@@ -108,6 +110,7 @@ def create_key(name, scopes, expires, rate_limit):
 
 
 @keys_cli.command("list")
+@uses_database()
 def list_keys():
     """Show every key's name, visible prefix, scopes, expiry, rate limit, times and state, never
     the key."""
@@ -137,6 +140,7 @@ def list_keys():
 @keys_cli.command("set-limit")
 @click.argument("name")
 @click.argument("limit", callback=rate_limit_option)
+@uses_database()
 def set_key_limit(name, limit):
     """Give the key called NAME its own rate LIMIT ('100/second', '6000 per minute'), or
     'default' for RATE_LIMIT. Every worker applies it within KEY_CACHE_SECONDS."""
@@ -159,6 +163,7 @@ def set_key_limit(name, limit):
     callback=grace_option,
     help="How long the old key keeps working: 30m, 24h, 7d; 0s ends it now.",
 )
+@uses_database()
 def rotate(name, grace):
     """Print a new key for the key called NAME, with its scopes, expiry and rate limit; the old
     key works until the grace ends (within KEY_CACHE_SECONDS in every worker)."""
@@ -177,6 +182,7 @@ def rotate(name, grace):
 
 @keys_cli.command("revoke")
 @click.argument("name")
+@uses_database()
 def revoke_key(name):
     """Revoke the key called NAME; requests with it are refused from then on."""
     api_key = find_named_key(name)
@@ -191,6 +197,7 @@ idempotency_cli = AppGroup("idempotency", help="Look after the stored Idempotenc
 
 
 @idempotency_cli.command("purge")
+@uses_database()
 def purge_idempotency_keys():
     """Delete the Idempotency-Keys older than IDEMPOTENCY_TTL."""
     click.echo(f"Purged {purge_expired()} expired idempotency keys.")
@@ -215,13 +222,13 @@ def print_nginx_errors():
 @with_appcontext
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=5000, show_default=True)
+@uses_database(schema=False)
 def quickstart(host, port):
     """Create or upgrade the database, make an API key, and run the development server."""
     upgrade()
     name = "quickstart-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     _, key = issue_key(name)
     db.session.commit()
-    click.echo(f"Database: {db.engine.url.render_as_string()}")
     click.echo(f"API key {name!r} (shown only now): {key}")
     click.echo("Try, from another terminal:")
     click.echo(

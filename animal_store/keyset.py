@@ -204,7 +204,7 @@ def forget_order_sql(table: str) -> list[str]:
 
 KEYSET_TABLES = sa.text(
     "SELECT tgrelid::regclass::text FROM pg_trigger "
-    "WHERE tgfoid = 'keyset_take_id'::regproc ORDER BY 1"
+    "WHERE tgfoid = to_regproc('keyset_take_id') ORDER BY 1"
 )
 
 

@@ -3,6 +3,7 @@
 import click
 from flask.cli import with_appcontext
 
+from animal_store.database import uses_database
 from animal_store.extensions import db
 from animal_store.models import PET_STATUSES, Pet
 
@@ -47,6 +48,7 @@ def copy_rows(connection, rows) -> None:
 @click.command("seed")
 @with_appcontext
 @click.argument("count", type=click.IntRange(min=1))
+@uses_database()
 def seed_command(count):
     """Add COUNT sample animals, their statuses spread evenly over the enum and none."""
     seed_pets(count)

@@ -39,8 +39,12 @@ def load_settings(app, test_config=None) -> None:
     if test_config is not None:
         app.config.from_mapping(test_config)
         sources = dict.fromkeys(test_config, ("test_config", None))
+        source = "the settings given to create_app"
     else:
         sources = load_deployment_settings(app)
+        source = database_source(app)
+    # For the command line to say where its database came from (database.py).
+    app.extensions["animal_store_database_source"] = source
     refuse_renamed_settings(app)
     app.extensions["animal_store_settings"] = check_settings(app.config, sources)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
@@ -84,6 +88,23 @@ def load_deployment_settings(app) -> dict[str, tuple[str, str | None]]:
             sources[name] = (variable, text)
     app.config.from_prefixed_env(ENVIRONMENT_PREFIX.rstrip("_"))
     return sources
+
+
+def database_source(app) -> str:
+    """Say where DATABASE_URL came from: the environment, a settings file or the default."""
+    environment = os.environ.get("ANIMAL_STORE_ENV")
+    settings_file = f"config/{environment}.py, as ANIMAL_STORE_ENV={environment}"
+    if "ANIMAL_STORE_DATABASE_URL" in os.environ:
+        return "ANIMAL_STORE_DATABASE_URL from the environment"
+    if not app.config["DATABASE_URL"]:
+        if environment:
+            return f"the development default: {settings_file}, sets no DATABASE_URL"
+        return "the development default: neither ANIMAL_STORE_ENV nor DATABASE_URL is set"
+    if app.config["DATABASE_URL"] == os.environ.get("DATABASE_URL"):
+        if environment:
+            return f"DATABASE_URL from the environment, through {settings_file}"
+        return "DATABASE_URL from the environment; ANIMAL_STORE_ENV is unset"
+    return settings_file
 
 
 # Settings renamed to the RATELIMIT_* names (Flask-Limiter's, kept). An old name stops the boot

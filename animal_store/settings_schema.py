@@ -169,8 +169,12 @@ class Settings:
         "variables`_)",
     )
     SQLITE_FILENAME: str = setting(
-        expecting(fields.String(validate=Regexp(r"^[^/\\]+$")), "a file name, without a directory"),
-        "The SQLite file in ``instance/`` when ``DATABASE_URL`` is ``null``",
+        expecting(
+            fields.String(validate=Regexp(r"^(/.+|[^/\\]+)$")),
+            "a file name in the instance folder, or an absolute path",
+        ),
+        "The SQLite file when ``DATABASE_URL`` is ``null``: a name in ``instance/``, or an "
+        "absolute path",
     )
     MAX_CONTENT_LENGTH: int = setting(
         integer(at_least=1), "Largest request body in bytes (413 beyond)"

@@ -1,5 +1,8 @@
 """A PostgreSQL cluster of a test's own: initdb in a temporary directory, started on a free
-loopback port, frozen and thawed with SIGSTOP and SIGCONT, stopped, all by PID.
+loopback port, frozen and thawed with SIGSTOP and SIGCONT, stopped, all by PID. With
+`passwords=True` a TCP connection must give its role's password (scram-sha-256), as on a
+deployed server; the machine's shared server trusts every local connection, so a password tested
+there proves nothing.
 
 Never the machine's shared PostgreSQL: only the processes this cluster's postmaster started are
 ever signalled. Standard library only: benchmarks/hung_database.py runs one too.
@@ -9,6 +12,7 @@ import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,13 +41,15 @@ BINDIR = find_bindir()
 
 
 class PostgresCluster:
-    """A throwaway cluster: trust authentication, user `postgres`, loopback only.
+    """A throwaway cluster: superuser `postgres`, loopback only; trust authentication, or
+    scram-sha-256 passwords over TCP with `passwords=True` (the Unix socket, which only this
+    class uses, always trusts).
 
     As root the server runs as the `postgres` user (PostgreSQL refuses to run as root), through
     `runuser`, so the directory is handed to that user.
     """
 
-    def __init__(self):
+    def __init__(self, passwords: bool = False):
         if BINDIR is None:
             raise RuntimeError("PostgreSQL's initdb is not installed")
         self.directory = Path(tempfile.mkdtemp(prefix="animal-postgres-"))
@@ -54,14 +60,30 @@ class PostgresCluster:
             user = pwd.getpwnam("postgres")
             os.chown(self.directory, user.pw_uid, user.pw_gid)
             self.as_postgres = ["runuser", "-u", "postgres", "--"]
+        authentication = ["--auth", "trust"]
+        self.superuser_password = None
+        if passwords:
+            # initdb wants the superuser's password when connections must give one.
+            self.superuser_password = secrets.token_urlsafe(16)
+            password_file = self.directory / "superuser-password"
+            password_file.write_text(self.superuser_password + "\n")
+            if self.as_postgres:
+                shutil.chown(password_file, "postgres", "postgres")
+            authentication = [
+                "--auth-local",
+                "trust",
+                "--auth-host",
+                "scram-sha-256",
+                "--pwfile",
+                str(password_file),
+            ]
         self.run(
             "initdb",
             "--pgdata",
             str(self.data),
             "--username",
             "postgres",
-            "--auth",
-            "trust",
+            *authentication,
             "--encoding",
             "UTF8",
             "--locale",
@@ -86,24 +108,59 @@ class PostgresCluster:
             "start",
         )
         self.postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}"
+        password = f":{self.superuser_password}" if passwords else ""
+        self.url = f"postgresql+psycopg://postgres{password}@127.0.0.1:{self.port}"
 
-    def run(self, program, *arguments):
-        subprocess.run(
+    def run(self, program, *arguments, stdin: str | None = None) -> str:
+        return subprocess.run(
             [*self.as_postgres, str(BINDIR / program), *arguments],
             check=True,
             capture_output=True,
             cwd=self.directory,
+            input=stdin,
+            text=True,
+        ).stdout
+
+    def sql(self, statements: str, database: str = "postgres") -> str:
+        """Run SQL as the superuser over the Unix socket (no password), from stdin, so a
+        password in it is on no command line; return psql's unaligned output."""
+        return self.run(
+            "psql",
+            "--host",
+            str(self.directory),
+            "--port",
+            str(self.port),
+            "--username",
+            "postgres",
+            "--dbname",
+            database,
+            "--no-psqlrc",
+            "--quiet",
+            "--tuples-only",
+            "--no-align",
+            "--set",
+            "ON_ERROR_STOP=1",
+            stdin=statements,
         )
 
     def database_url(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def create_database(self, name: str, template: str | None = None) -> str:
+    def create_database(
+        self, name: str, template: str | None = None, owner: str | None = None
+    ) -> str:
         """Create a database, a copy of `template` if given, and return its URL."""
         copy = ["--template", template] if template else []
-        self.run("createdb", "--host", str(self.directory), "--port", str(self.port), *copy, name)
+        owned = ["--owner", owner] if owner else []
+        self.run(
+            "createdb", "--host", str(self.directory), "--port", str(self.port), *copy, *owned, name
+        )
         return self.database_url(name)
+
+    def create_role(self, name: str, password: str) -> None:
+        """Create a login role that must give `password` over TCP (with `passwords=True`)."""
+        # Dollar-quoted: the password may hold any character but the quote's tag.
+        self.sql(f"CREATE ROLE {name} LOGIN PASSWORD $secret${password}$secret$")
 
     def processes(self) -> list[int]:
         """Return the postmaster's PID and those of its children (backends, background

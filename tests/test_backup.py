@@ -1,34 +1,43 @@
-"""Backups of the embedded database while the service writes, and restores while it is stopped;
-on PostgreSQL the command points at pg_dump."""
+"""Backups while the service writes and restores while it is stopped, of a SQLite file and of a
+PostgreSQL database whose role needs a password; and every bad path refused with a message."""
 
 import os
+import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from contextlib import closing
+from pathlib import Path
+from urllib.parse import quote
 
+import psycopg
 import pytest
 import requests
-from conftest import PROJECT_DIR, TEST_DATABASE_URL
+from alembic.script import ScriptDirectory
+from conftest import PROJECT_DIR, TEST_DATABASE_URL, Gunicorn, migrate_to_head
+from postgres_cluster import BINDIR, PostgresCluster
 
 from animal_store.extensions import db
 
 on_sqlite = pytest.mark.skipif(
-    TEST_DATABASE_URL is not None, reason="SQLite's backup; the PostgreSQL run checks pg_dump's"
+    TEST_DATABASE_URL is not None,
+    reason="SQLite's; PostgreSQL's run on a cluster of their own, without TEST_DATABASE_URL",
 )
 
 
-def flask(database_url, *args):
+def flask(database_url, *args, env=None):
     """Run `flask --app animal_store ...` as an operator would, in a process of its own."""
     return subprocess.run(
         [sys.executable, "-m", "flask", "--app", "animal_store", *args],
         cwd=PROJECT_DIR,
-        env={**os.environ, "DATABASE_URL": database_url},
+        env={**os.environ, "DATABASE_URL": database_url, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
 
 
@@ -114,36 +123,322 @@ def test_restore_refuses_while_a_server_holds_the_file_then_puts_the_backup_back
 
 
 @on_sqlite
-@pytest.mark.parametrize("what", ["not-a-database", "another-database", "existing-destination"])
-def test_bad_backups_and_restores_are_refused_and_change_nothing(
+@pytest.mark.parametrize("what", ["not-a-database", "another-database"])
+def test_restoring_what_is_not_a_backup_is_refused_and_changes_nothing(
     database_url, make_pet, count_pets, tmp_path, what
 ):
     make_pet()
     source = tmp_path / "source"
     if what == "not-a-database":
         source.write_bytes(b"x" * 4096)
-        result = flask(database_url, "restore", str(source))
-    elif what == "another-database":
+    else:
         with closing(sqlite3.connect(source)) as other:
             other.execute("CREATE TABLE things (id INTEGER)")
-        result = flask(database_url, "restore", str(source))
-    else:
-        source.write_bytes(b"keep me")
-        result = flask(database_url, "backup", str(source))
-        assert source.read_bytes() == b"keep me"
+    result = flask(database_url, "restore", str(source))
     assert result.returncode != 0
-    assert "Error:" in result.stderr
+    assert "is not an Animal Store database" in result.stderr
+    assert "Traceback" not in result.stderr
     assert count_pets() == 1
 
 
-@pytest.mark.skipif(TEST_DATABASE_URL is None, reason="PostgreSQL's: set TEST_DATABASE_URL")
-@pytest.mark.parametrize("command", ["backup", "restore"])
-def test_on_postgresql_the_commands_give_the_pg_dump_line(database_url, tmp_path, command):
-    target = tmp_path / "file"
-    if command == "restore":
-        target.write_bytes(b"")
-    result = flask(database_url, command, str(target))
-    assert result.returncode != 0
-    assert "pg_dump --format=custom --file BACKUP.dump 'postgresql://" in result.stderr
-    assert "pg_restore" in result.stderr
-    assert not (tmp_path / "file").exists() or command == "restore"
+def unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process may not create files in. Root may write anywhere else, but not
+    in sysfs, which refuses every new file."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    directory = tmp_path / "read-only"
+    directory.mkdir(mode=0o555)
+    return directory
+
+
+# command, path (from the test's directory), what stderr says, exit status (click's own checks
+# of the argument exit 2, the command's refusals 1).
+BAD_PATHS = {
+    "backup to a missing directory": (
+        "backup",
+        lambda tmp: tmp / "missing" / "backup.sqlite3",
+        "Error: The directory {parent} does not exist: make it first (install -d -m 700 {parent})",
+        1,
+    ),
+    "backup without permission": (
+        "backup",
+        lambda tmp: unwritable_directory(tmp) / f"animal-store-{uuid.uuid4().hex}.sqlite3",
+        "Error: Cannot create {path}: Permission denied.",
+        1,
+    ),
+    "backup onto an existing file": (
+        "backup",
+        lambda tmp: tmp / "existing.sqlite3",
+        "Error: {path} exists already: give a new file.",
+        1,
+    ),
+    "backup to a directory": ("backup", lambda tmp: tmp, "is a directory", 2),
+    "backup under a file": (
+        "backup",
+        lambda tmp: tmp / "existing.sqlite3" / "backup.sqlite3",
+        "Error: {parent} is not a directory.",
+        1,
+    ),
+    "restore of a missing file": ("restore", lambda tmp: tmp / "missing.sqlite3", "not exist", 2),
+    "restore of a directory": ("restore", lambda tmp: tmp, "is a directory", 2),
+}
+
+
+@on_sqlite
+@pytest.mark.parametrize("case", BAD_PATHS.values(), ids=BAD_PATHS.keys())
+def test_bad_paths_are_refused_with_a_message_and_change_nothing(
+    database_url, make_pet, count_pets, tmp_path, case
+):
+    command, make_path, message, status = case
+    make_pet()
+    (tmp_path / "existing.sqlite3").write_bytes(b"keep me")
+    path = make_path(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    result = flask(database_url, command, str(path))
+    assert result.returncode == status, result.stderr
+    assert message.format(path=path, parent=path.parent) in result.stderr
+    assert "Traceback" not in result.stderr
+    # Nothing made, nothing overwritten, the database as it was.
+    assert sorted(tmp_path.rglob("*")) == before
+    assert (tmp_path / "existing.sqlite3").read_bytes() == b"keep me"
+    assert count_pets() == 1
+
+
+@on_sqlite
+def test_restore_into_a_directory_that_is_gone_says_so(database_url, tmp_path):
+    assert flask(database_url, "backup", str(tmp_path / "backup.sqlite3")).returncode == 0
+    gone = tmp_path / "gone" / "store.sqlite3"
+    result = flask(f"sqlite:///{gone}", "restore", str(tmp_path / "backup.sqlite3"))
+    assert result.returncode == 1
+    assert f"Error: Copying {tmp_path}/backup.sqlite3 to {gone} failed: unable to open" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert not gone.parent.exists()
+
+
+@on_sqlite
+def test_sqlite_backup_is_readable_by_its_owner_only(database_url, tmp_path):
+    result = flask(database_url, "backup", str(tmp_path / "backup.sqlite3"))
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE((tmp_path / "backup.sqlite3").stat().st_mode) == 0o600
+
+
+# PostgreSQL, on a cluster of the test's own where every TCP connection must give its password.
+
+# Characters a URL must percent-encode and a libpq password file must escape (a test role's, on
+# the test's own cluster).
+PASSWORD = "p@ss:w/rd %41\\ #?"  # noqa: S105
+HEAD = ScriptDirectory(PROJECT_DIR / "animal_store" / "migrations").get_current_head()
+on_own_cluster = pytest.mark.skipif(
+    TEST_DATABASE_URL is not None,
+    reason="runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own",
+)
+
+
+@pytest.fixture(scope="module")
+def password_cluster():
+    if BINDIR is None:
+        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
+    cluster = PostgresCluster(passwords=True)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def store(password_cluster):
+    """A database owned by a role of its own that needs PASSWORD: its URL, percent-encoded as
+    the docs say, and the libpq keywords to reach it without the password."""
+    name = f"store_{uuid.uuid4().hex[:12]}"
+    password_cluster.create_role(name, PASSWORD)
+    password_cluster.create_database(name, owner=name)
+    url = f"postgresql://{name}:{quote(PASSWORD, safe='')}@127.0.0.1:{password_cluster.port}/{name}"
+    keywords = {"host": "127.0.0.1", "port": password_cluster.port, "user": name, "dbname": name}
+    return url, keywords
+
+
+@pytest.fixture
+def tool_shims(tmp_path):
+    """pg_dump and pg_restore first on PATH: each writes its arguments and environment to a
+    file, then runs the real tool. Returns (PATH, the file)."""
+    shims, record = tmp_path / "shims", tmp_path / "tool-calls.txt"
+    shims.mkdir()
+    for program in ("pg_dump", "pg_restore"):
+        real = shutil.which(program)
+        if real is None:
+            pytest.skip(f"{program} is not installed (Debian: postgresql-client)")
+        shim = shims / program
+        shim.write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "$0" "$@" >>{record}\nenv >>{record}\nexec {real} "$@"\n'
+        )
+        shim.chmod(0o755)
+    return f"{shims}:{os.environ['PATH']}", record
+
+
+def count_animals(keywords):
+    with psycopg.connect(**keywords, password=PASSWORD) as connection:
+        return connection.execute("SELECT count(*) FROM pets").fetchone()[0]
+
+
+@on_own_cluster
+def test_postgres_backup_and_restore_with_a_password_role(
+    password_cluster, store, tool_shims, tmp_path
+):
+    url, keywords = store
+    path, record = tool_shims
+    # The role does need its password: without one the server refuses.
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(**keywords, passfile=tmp_path / "none", connect_timeout=5).close()
+    no_schema = flask(url, "keys", "list")
+    assert no_schema.returncode == 1
+    assert "run `flask --app animal_store db upgrade`" in no_schema.stderr
+    migrate_to_head(url)
+    assert flask(url, "seed", "3").returncode == 0
+    key = flask(url, "keys", "create", "shop").stdout.strip().splitlines()[-1]
+
+    dump = tmp_path / "store.dump"
+    backup = flask(url, "backup", str(dump), env={"PATH": path, "PGPASSWORD": "wrong"})
+    assert backup.returncode == 0, backup.stderr
+    assert f"Database: postgresql+psycopg://{keywords['user']}:***@127.0.0.1" in backup.stderr
+    assert f"3 animals, 1 API key, migration {HEAD}" in backup.stdout
+    assert "pg_restore --list reads" in backup.stdout
+    assert "with the data of alembic_version, api_keys, idempotency_records, pets" in backup.stdout
+    assert stat.S_IMODE(dump.stat().st_mode) == 0o600
+    assert flask(url, "seed", "2").returncode == 0
+    assert count_animals(keywords) == 5
+    with psycopg.connect(**keywords, password=PASSWORD) as connection:
+        # Stamped with this cluster's transaction ids (keyset.py), forgotten by a restore.
+        assert connection.execute("SELECT min(order_xid) FROM pets").fetchone()[0] > 0
+
+    # While the service is connected, a restore is refused and changes nothing.
+    server = Gunicorn(url, workers=1, log_path=tmp_path / "gunicorn.log").wait_until_serving()
+    try:
+        headers = {"Authorization": f"Bearer {key}"}
+        assert requests.get(server.url + "/v1/pets", headers=headers, timeout=10).ok
+        refused = flask(url, "restore", str(dump), env={"PATH": path})
+        assert refused.returncode == 1
+        assert "Other sessions are connected to the database" in refused.stderr
+        assert "Stop the service" in refused.stderr
+        assert count_animals(keywords) == 5
+    finally:
+        server.stop()
+
+    restore = flask(url, "restore", str(dump), env={"PATH": path, "PGPASSWORD": "wrong"})
+    assert restore.returncode == 0, restore.stderr
+    assert "3 animals, 1 API key. Start the service again." in restore.stdout
+    server = Gunicorn(url, workers=1, log_path=tmp_path / "gunicorn-2.log").wait_until_serving()
+    try:
+        listed = requests.get(server.url + "/v1/pets", headers=headers, timeout=10)
+        assert [pet["id"] for pet in listed.json()] == [1, 2, 3]
+    finally:
+        server.stop()
+
+    # Onto a new, empty database (a new server): the schema comes with the backup.
+    empty = f"empty_{uuid.uuid4().hex[:12]}"
+    password_cluster.create_database(empty, owner=keywords["user"])
+    onto_empty = flask(url.rsplit("/", 1)[0] + f"/{empty}", "restore", str(dump))
+    assert onto_empty.returncode == 0, onto_empty.stderr
+    assert "3 animals, 1 API key. Start the service again." in onto_empty.stdout
+    assert count_animals({**keywords, "dbname": empty}) == 3
+    # The stamps were this cluster's transaction ids: forgotten, every row is settled.
+    with psycopg.connect(**{**keywords, "dbname": empty}, password=PASSWORD) as connection:
+        assert connection.execute("SELECT max(order_xid) FROM pets").fetchone()[0] == 0
+        assert connection.execute("SELECT last_value FROM pets_order_xid_seq").fetchone()[0] == 1
+
+    # The password was on no command line, in no environment variable and in nothing printed.
+    calls = record.read_text()
+    assert calls.count("pg_dump") >= 1
+    assert "pg_restore" in calls
+    # (The backup and the restore succeeded with a wrong PGPASSWORD set: it was not passed on.)
+    assert "PGPASSFILE=/dev/fd/" in calls
+    for output in (calls, backup.stdout, backup.stderr, restore.stdout, restore.stderr):
+        assert PASSWORD not in output
+        assert quote(PASSWORD, safe="") not in output
+
+
+def other_database_dump(cluster, tmp_path):
+    """A custom-format dump of a database that is not this service's."""
+    name = f"other_{uuid.uuid4().hex[:12]}"
+    cluster.create_database(name)
+    cluster.sql("CREATE TABLE things (id integer); INSERT INTO things VALUES (1);", name)
+    inside = cluster.directory / f"{name}.dump"
+    cluster.run(
+        "pg_dump",
+        "--host",
+        str(cluster.directory),
+        "--port",
+        str(cluster.port),
+        "--username",
+        "postgres",
+        "--format=custom",
+        "--file",
+        str(inside),
+        name,
+    )
+    shutil.copyfile(inside, tmp_path / "other.dump")
+    return tmp_path / "other.dump"
+
+
+POSTGRES_REFUSALS = {
+    "restore of a file that is not a dump": (
+        "restore",
+        lambda cluster, tmp: tmp / "existing",
+        {},
+        "is not a pg_dump archive (custom format): pg_restore failed",
+    ),
+    "restore of another database's dump": (
+        "restore",
+        other_database_dump,
+        {},
+        "is not an Animal Store backup: no data for alembic_version, api_keys, pets.",
+    ),
+    "backup onto an existing file": (
+        "backup",
+        lambda cluster, tmp: tmp / "existing",
+        {},
+        "exists already: give a new file.",
+    ),
+    "backup to a missing directory": (
+        "backup",
+        lambda cluster, tmp: tmp / "missing" / "store.dump",
+        {},
+        "does not exist",
+    ),
+    "backup without pg_dump": (
+        "backup",
+        lambda cluster, tmp: tmp / "store.dump",
+        {"PATH": "/nonexistent"},
+        "pg_dump is not installed (Debian: postgresql-client",
+    ),
+    "backup through PgBouncer": (
+        "backup",
+        lambda cluster, tmp: tmp / "store.dump",
+        {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"},
+        "need a session of their own",
+    ),
+    "restore through PgBouncer": (
+        "restore",
+        lambda cluster, tmp: tmp / "existing",
+        {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"},
+        "need a session of their own",
+    ),
+}
+
+
+@on_own_cluster
+@pytest.mark.parametrize("case", POSTGRES_REFUSALS.values(), ids=POSTGRES_REFUSALS.keys())
+def test_postgres_refusals_say_why_and_change_nothing(password_cluster, store, tmp_path, case):
+    command, make_path, env, message = case
+    url, keywords = store
+    migrate_to_head(url)
+    assert flask(url, "seed", "2").returncode == 0
+    (tmp_path / "existing").write_bytes(b"keep me")
+    path = make_path(password_cluster, tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    result = flask(url, command, str(path), env=env)
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(tmp_path.rglob("*")) == before
+    assert (tmp_path / "existing").read_bytes() == b"keep me"
+    assert count_animals(keywords) == 2

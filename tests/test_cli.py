@@ -1,10 +1,24 @@
-"""`flask keys create/list/revoke`: the only way keys are made and retired."""
+"""`flask keys create/list/revoke`, the only way keys are made and retired; every data command
+saying which database it uses and refusing one without the schema; the documented commands."""
 
+import os
 import re
+import shlex
 import socket
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from alembic.script import ScriptDirectory
+from conftest import PROJECT_DIR, migrate_to_head
+from flask_migrate import upgrade
+
+from animal_store import create_app
+from animal_store.database import describe_database
+from animal_store.extensions import db
 
 
 def test_keys_create_prints_a_working_key_as_last_line(client, runner):
@@ -38,7 +52,7 @@ def test_keys_list_shows_metadata_never_the_key(client, runner):
     assert result.exit_code == 0
     assert key not in result.output
     assert key[4:20] not in result.output
-    header, alpha, beta = result.output.strip().splitlines()
+    header, alpha, beta = result.stdout.strip().splitlines()
     assert header.split() == [
         "NAME",
         "PREFIX",
@@ -88,3 +102,228 @@ def test_quickstart_again_while_its_server_runs_makes_a_key_and_exits(client, ru
     assert "no second server is started" in result.output
     (key,) = re.findall(r"\(shown only now\): (ask_\S+)", result.output)
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+# Which database a command uses, and a database without the schema.
+
+OPERATOR_SETTINGS = {
+    "DATABASE_URL alone": (
+        {"DATABASE_URL": "sqlite:///{path}"},
+        "DATABASE_URL from the environment; ANIMAL_STORE_ENV is unset",
+    ),
+    "a deployment's settings file": (
+        {
+            "ANIMAL_STORE_ENV": "staging",
+            "DATABASE_URL": "sqlite:///{path}",
+            "ANIMAL_STORE_RATELIMIT_STORAGE_URI": "memory://",
+        },
+        "DATABASE_URL from the environment, through config/staging.py, as ANIMAL_STORE_ENV=staging",
+    ),
+    "ANIMAL_STORE_DATABASE_URL": (
+        {"ANIMAL_STORE_DATABASE_URL": "sqlite:///{path}"},
+        "ANIMAL_STORE_DATABASE_URL from the environment",
+    ),
+    "nothing set": (
+        # The development default, its file moved out of the checkout for the test.
+        {"ANIMAL_STORE_SQLITE_FILENAME": "{path}"},
+        "the development default: neither ANIMAL_STORE_ENV nor DATABASE_URL is set",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OPERATOR_SETTINGS.values(), ids=OPERATOR_SETTINGS.keys())
+def test_commands_say_which_database_and_where_it_came_from(tmp_path, case):
+    settings, source = case
+    path = tmp_path / "store.sqlite3"
+    migrate_to_head(f"sqlite:///{path}")
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
+    }
+    environment.update({name: value.format(path=path) for name, value in settings.items()})
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", "keys", "list"],
+        cwd=PROJECT_DIR,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == f"Database: sqlite:///{path} ({source})"
+    assert result.stdout.split()[:2] == ["NAME", "PREFIX"]
+
+
+def test_db_upgrade_says_which_database_it_changes(tmp_path):
+    path = tmp_path / "store.sqlite3"
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", "db", "upgrade"],
+        cwd=PROJECT_DIR,
+        env={**os.environ, "DATABASE_URL": f"sqlite:///{path}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(f"INFO  [alembic.env] Database: sqlite:///{path} (DATABASE_URL from")
+    assert {"alembic_version", "pets", "api_keys"} <= set(tables(path))
+
+
+def test_the_database_line_masks_the_password():
+    app = create_app({"DATABASE_URL": "postgresql://store:s3cret@127.0.0.1:1/store"})
+    with app.app_context():
+        described = describe_database()
+        db.engine.dispose()
+    assert described == (
+        "postgresql+psycopg://store:***@127.0.0.1:1/store (the settings given to create_app)"
+    )
+
+
+DATA_COMMANDS = [
+    ["keys", "create", "shop"],
+    ["keys", "list"],
+    ["keys", "set-limit", "shop", "default"],
+    ["keys", "rotate", "shop"],
+    ["keys", "revoke", "shop"],
+    ["idempotency", "purge"],
+    ["seed", "1"],
+    ["backup", "{tmp_path}/backup.sqlite3"],
+]
+
+
+def no_file(path):
+    pass
+
+
+def empty_file(path):
+    path.write_bytes(b"")
+
+
+def older_schema(path):
+    app = create_app({"DATABASE_URL": f"sqlite:///{path}"})
+    with app.app_context():
+        upgrade(revision="0003")
+        db.engine.dispose()
+
+
+def unknown_schema(path):
+    migrate_to_head(f"sqlite:///{path}")
+    with closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("UPDATE alembic_version SET version_num = '0099'")
+
+
+def tables(path):
+    """The tables of a SQLite file, None where there is no file."""
+    if not path.exists():
+        return None
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as connection:
+        return sorted(row[0] for row in connection.execute("SELECT name FROM sqlite_master"))
+
+
+# The newest migration, whichever it is now.
+HEAD = ScriptDirectory(PROJECT_DIR / "animal_store" / "migrations").get_current_head()
+UPGRADE = "run `flask --app animal_store db upgrade` first."
+DATABASES_WITHOUT_THE_SCHEMA = {
+    "no file": (no_file, "No database file {path}: " + UPGRADE),
+    "an empty file": (empty_file, "The database has no schema: " + UPGRADE),
+    "an older schema": (
+        older_schema,
+        f"The database's schema is at migration 0003, this code's at {HEAD}: " + UPGRADE,
+    ),
+    "a newer schema": (
+        unknown_schema,
+        "The database's schema is at migration 0099, which this code does not have",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", DATA_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(
+    "database", DATABASES_WITHOUT_THE_SCHEMA.values(), ids=DATABASES_WITHOUT_THE_SCHEMA.keys()
+)
+def test_commands_refuse_a_database_without_the_schema(tmp_path, command, database):
+    make, message = database
+    path = tmp_path / "store.sqlite3"
+    make(path)
+    before = tables(path)
+    app = create_app({"DATABASE_URL": f"sqlite:///{path}"})
+    result = app.test_cli_runner().invoke(args=[word.format(tmp_path=tmp_path) for word in command])
+    with app.app_context():
+        db.engine.dispose()
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit)  # a ClickException, not a traceback
+    assert f"Error: {message.format(path=path)}" in result.stderr
+    assert result.stderr.startswith(f"Database: sqlite:///{path} ")
+    assert result.stdout == ""
+    # Nothing created.
+    assert tables(path) == before
+    assert not (tmp_path / "backup.sqlite3").exists()
+
+
+def test_a_database_that_does_not_answer_is_one_line():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = create_app({"DATABASE_URL": f"postgresql://store:s3cret@127.0.0.1:{port}/store"})
+    result = app.test_cli_runner().invoke(args=["keys", "list"])
+    with app.app_context():
+        db.engine.dispose()
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit)
+    assert "Error: Cannot use the database: connection failed:" in result.stderr
+    assert "Connection refused" in result.stderr
+    assert "s3cret" not in result.output
+
+
+def test_a_command_without_the_deployment_environment_says_so_and_creates_nothing(tmp_path):
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
+    }
+    environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(tmp_path / "animal_store.sqlite3")
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", "keys", "create", "shop"],
+        cwd=PROJECT_DIR,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "the development default: neither ANIMAL_STORE_ENV nor DATABASE_URL is set" in (
+        result.stderr
+    )
+    assert f"No database file {tmp_path}/animal_store.sqlite3: {UPGRADE}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "ask_" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# docs/operations.rst: every command as it is typed on the deployed machine.
+
+DEPLOYED_FLASK = ".venv/bin/flask --app animal_store "
+
+
+def documented_commands():
+    """The commands of operations.rst's literal blocks and inline literals that run flask."""
+    text = (PROJECT_DIR / "docs" / "operations.rst").read_text()
+    text = re.sub(r"\\\n\s*", " ", text)  # a command continued on the next line
+    blocks = re.findall(r"^ {4,}\S.*$", text, re.MULTILINE)
+    inline = re.findall(r"``(.+?)``", text.replace("\n", " "))
+    # From the word that runs flask to the end or a comment, after a shell prefix such as cron's.
+    commands = [re.search(r"[\w./-]*\bflask [^`#]*", line) for line in blocks + inline]
+    return [command[0].strip() for command in commands if command]
+
+
+def test_operations_shows_every_command_as_typed_on_the_deployed_machine(runner):
+    commands = documented_commands()
+    assert len(commands) >= 15
+    for command in commands:
+        assert command.startswith(DEPLOYED_FLASK), command
+        # --help is handled first: the words name a command, and its options exist.
+        words = shlex.split(command.removeprefix(DEPLOYED_FLASK))
+        result = runner.invoke(args=[*words, "--help"])
+        assert result.exit_code == 0, f"{command}: {result.output}"

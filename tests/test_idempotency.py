@@ -272,7 +272,7 @@ def test_purge_command_deletes_only_expired_keys(post, runner, records):
     post("fresh")
     result = runner.invoke(args=["idempotency", "purge"])
     assert result.exit_code == 0
-    assert result.output == "Purged 1 expired idempotency keys.\n"
+    assert result.stdout == "Purged 1 expired idempotency keys.\n"
     assert [record.key for record in records()] == ["fresh"]
 
 

@@ -100,7 +100,7 @@ def test_rotation_gives_a_new_key_and_the_old_one_works_until_its_grace_ends(mak
     time.sleep(2.1)
     assert client.get("/v1/pets", headers=bearer(old)).status_code == 401
     assert client.get("/v1/pets", headers=bearer(new)).status_code == 200
-    assert runner.invoke(args=["keys", "list"]).output.splitlines()[1].endswith("active")
+    assert runner.invoke(args=["keys", "list"]).stdout.splitlines()[1].endswith("active")
     assert count_pets() == 0
 
 

@@ -215,7 +215,7 @@ def test_status_walk_has_its_index(app):
 def test_seed_command_adds_animals_with_every_status(runner, count_pets, ids_with_status):
     result = runner.invoke(args=["seed", "41"])
     assert result.exit_code == 0
-    assert result.output == "Seeded 41 animals.\n"
+    assert result.stdout == "Seeded 41 animals.\n"
     assert count_pets() == 41
     statuses = {status: len(ids_with_status(status)) for status in ("available", "pending", "sold")}
     assert statuses == {"available": 11, "pending": 10, "sold": 10}

@@ -6,6 +6,8 @@ from logging.config import fileConfig
 from alembic import context
 from flask import current_app
 
+from animal_store.database import describe_database
+
 config = context.config
 # Keep the loggers the app (or the test run) configured before the migration started.
 fileConfig(config.config_file_name, disable_existing_loggers=False)
@@ -36,6 +38,8 @@ def run_migrations_online():
 
     conf_args = current_app.extensions["migrate"].configure_args
     conf_args.setdefault("process_revision_directives", skip_empty_autogenerate)
+    # Which database `flask db ...` changes, and where that choice came from.
+    logger.info("Database: %s", describe_database())
     with db.engine.connect() as connection:
         # Flask-Migrate's configure_args include render_as_batch, which SQLite needs for ALTERs.
         context.configure(connection=connection, target_metadata=db.metadata, **conf_args)
