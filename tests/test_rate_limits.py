@@ -224,7 +224,7 @@ def test_set_limit_changes_a_keys_limit_within_the_key_cache_delay(
     assert client.get("/v1/pets", headers=headers).headers["RateLimit-Limit"] == "1"
     result = runner.invoke(args=["keys", "set-limit", "changing", limit])
     assert result.exit_code == 0, result.output
-    assert result.output == said
+    assert result.stdout == said
     assert client.get("/v1/pets", headers=headers).headers["RateLimit-Limit"] == expected
     listed = runner.invoke(args=["keys", "list"]).output
     assert (limit if limit != "default" else "5 per hour (default)") in listed
