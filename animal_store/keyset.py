@@ -67,6 +67,19 @@ LOCK_SPACE = 0x6B657973  # "keys"
 # first waiter even while that process sleeps, so with more writers than cores every writer would
 # wait on the scheduler. It is a session's lock, taken and released within one call, and an
 # exception handler releases it on any error (a session's lock outlives the transaction).
+# LOCK opens the guarded block (after its BEGIN), UNLOCK closes it.
+LOCK = f"""        LOOP
+            locked := pg_try_advisory_lock({LOCK_SPACE}, ids::oid::int);
+            EXIT WHEN locked;
+            PERFORM pg_sleep(0.001);
+        END LOOP;"""
+UNLOCK = f"""    EXCEPTION WHEN OTHERS OR query_canceled THEN
+        IF locked THEN
+            PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
+        END IF;
+        RAISE;
+    END;
+    PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);"""
 TAKE_ID_FUNCTION = f"""
 CREATE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
@@ -79,11 +92,7 @@ DECLARE
     stamp bigint;
 BEGIN
     BEGIN
-        LOOP
-            locked := pg_try_advisory_lock({LOCK_SPACE}, ids::oid::int);
-            EXIT WHEN locked;
-            PERFORM pg_sleep(0.001);
-        END LOOP;
+{LOCK}
         taken := nextval(ids);
         stamp := greatest(own, coalesce(pg_sequence_last_value(stamps), 0));
         PERFORM setval(stamps, stamp);
@@ -93,13 +102,7 @@ BEGIN
             PERFORM pg_advisory_xact_lock_shared(taken);
             PERFORM set_config(first_id_setting, taken::text, true);
         END IF;
-    EXCEPTION WHEN OTHERS OR query_canceled THEN
-        IF locked THEN
-            PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
-        END IF;
-        RAISE;
-    END;
-    PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
+{UNLOCK}
     NEW.id := taken;
     NEW.{ORDER_XID} := stamp;
     RETURN NEW;
@@ -114,20 +117,10 @@ DECLARE
     pending bigint;
 BEGIN
     BEGIN
-        LOOP
-            locked := pg_try_advisory_lock({LOCK_SPACE}, ids::oid::int);
-            EXIT WHEN locked;
-            PERFORM pg_sleep(0.001);
-        END LOOP;
+{LOCK}
         -- Under the lock, every id up to last_id has its writer's mark in place.
         last_id := coalesce(pg_sequence_last_value(ids), 0);
-    EXCEPTION WHEN OTHERS OR query_canceled THEN
-        IF locked THEN
-            PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
-        END IF;
-        RAISE;
-    END;
-    PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);
+{UNLOCK}
     SELECT min((classid::bigint << 32) | objid::bigint) INTO pending
     FROM pg_locks
     WHERE locktype = 'advisory' AND objsubid = 1 AND mode = 'ShareLock'
