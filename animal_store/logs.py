@@ -100,6 +100,9 @@ def configure_logging(app) -> None:
     development_server = logging.getLogger("werkzeug")
     if DEVELOPMENT_SERVER not in development_server.handlers:
         development_server.addHandler(DEVELOPMENT_SERVER)
+    # Alone: `quickstart` migrates in process first, and Alembic's logging configuration gives
+    # the root logger a handler that would write each line again, request lines and colours too.
+    development_server.propagate = False
 
 
 def start_timer() -> None:

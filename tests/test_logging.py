@@ -155,14 +155,16 @@ def test_a_handler_the_operator_adds_gets_the_request_lines(client, capsys):
     assert (line["path"], line["request_id"]) == ("/healthz", "req-3")
 
 
+# `quickstart` (the README's) migrates in process first, where Alembic configures logging.
+@pytest.mark.parametrize("command", ["run", "quickstart"])
 def test_the_development_server_writes_one_line_a_request_and_no_colour_codes(
-    database_url, tmp_path
+    database_url, tmp_path, command
 ):
     port = free_port()
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
     with stdout.open("wb") as out, stderr.open("wb") as err:
         server = subprocess.Popen(
-            [sys.executable, "-m", "flask", "--app", "animal_store", "run", "--port", str(port)],
+            [sys.executable, "-m", "flask", "--app", "animal_store", command, "--port", str(port)],
             cwd=PROJECT_DIR,
             env={**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1"},
             stdout=out,
