@@ -78,11 +78,12 @@ def check_integrity(app):
             db.session.remove()
 
 
-def test_acknowledged_writes_survive_sigkill(app, make_key, start_gunicorn):
+def test_acknowledged_writes_survive_sigkill(app, make_key, start_gunicorn, tmp_path):
     key = make_key()
     acknowledged, lock = {}, threading.Lock()
     for _ in range(ROUNDS):
-        server = start_gunicorn(workers=2)
+        # A killed master cannot remove the metrics directory it made: made in the test's own.
+        server = start_gunicorn(workers=2, env={"TMPDIR": str(tmp_path)})
         stop = threading.Event()
         writers = [
             threading.Thread(
