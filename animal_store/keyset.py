@@ -10,21 +10,22 @@ its ids through a trigger, and a page shows a row only once the row is settled:
   id sequence and stamps the row with `order_xid`: the highest transaction id of every writer
   that took an id up to this one, its own included. Both happen under an advisory lock held for
   a few microseconds, not through the commit (LOCK_SPACE says how it is taken). The last stamp
-  given out is kept in a second sequence, which transactions do not roll back. Under the same
-  lock a transaction marks the first id it takes, with a shared advisory lock on that id held
-  until it ends.
+  given out is kept in a second sequence, which transactions do not roll back. Before it takes
+  its first id, a writer marks itself in flight: a shared advisory lock on its transaction id,
+  held until it ends.
 - A row is settled when its `order_xid` is below the xmin of the reading statement's snapshot:
   every transaction up to `order_xid` has then ended, and with them every writer that took a
   lower id. Such a writer either committed, and its row is visible, or rolled back, and its id
   is a gap for good. So the rows a page shows, up to the first one not yet settled, are final.
 - That xmin is the whole server's: any transaction that writes, in any database, holds it back
   while it is open. So where a row is not settled by its stamp, the read asks
-  `keyset_pending_from`: under the lock it reads the last id taken (every id up to it has its
-  writer's mark in place by then), then the lowest id still marked (pg_locks). It reads the page
-  again in a snapshot taken after that answer, and a row below the first pending id is settled
-  too: a writer that took a lower id and has not committed by then was still marked. A
-  transaction that took no id holds nothing back; a writer that hangs with an id holds back the
-  rows above it until it ends (its statement timeout).
+  `keyset_in_flight`: under the lock it reads the last id taken (every writer of an id up to it
+  has its mark in place by then), then the oldest writer still marked (pg_locks). It reads the
+  page again in a snapshot taken after that answer, and a row up to that last id whose stamp is
+  below the oldest writer is settled too: a writer that took a lower id has a transaction id no
+  higher than the row's stamp, so it had ended by then, or it would have been the oldest or
+  older. A transaction that took no id holds nothing back; a writer that hangs with an id holds
+  back the rows stamped after it until it ends (its statement timeout).
 
 Writers no longer wait for each other's commits: they share WAL flushes (group commit), and
 creations scale with writers (benchmarks/creations.py). The price falls on walks alone: a row
@@ -39,16 +40,20 @@ Subtle points, each relied on:
   handed out by each session in its own order, outside the lock.
 - The lock is taken and released within one statement, and the rest is the transaction's, so
   PgBouncer's transaction pooling is fine.
-- One mark a transaction and table, however many rows it adds (a seed adds 10,000): the lock
-  table's room (max_locks_per_transaction) is not at stake. Marks are advisory locks on
-  one-bigint keys, shared by every keyset table and by anything else in the database that
-  takes such locks: another's mark only makes a read wait for more, and a foreign exclusive
-  lock on a key would make a writer wait for it, so the database is best not shared with code
-  that takes advisory locks on one-bigint keys.
+- One mark a transaction, however many rows and keyset tables it adds to (a seed adds 10,000):
+  the lock table's room (max_locks_per_transaction) is not at stake. The mark is taken outside
+  the lock, which guards only the id and the stamp. Marks are advisory locks on one-bigint
+  keys, shared by every keyset table and by anything else in the database that takes such
+  locks: another's mark only makes a read wait for more, and a foreign exclusive lock on a key
+  would make a writer wait for it, so the database is best not shared with code that takes
+  advisory locks on one-bigint keys.
 - Stamps are transaction ids of the cluster that wrote them. After a logical restore
-  (pg_restore) into another cluster they are meaningless: walks stay exact (the pending check
-  does not read stamps), but slower; `forget_order` settles every row again, and the restore
-  command runs it.
+  (pg_restore) into another cluster they are meaningless, and far above its transaction ids:
+  walks stay exact, but a row is shown only once no writer is in flight. `forget_order` settles
+  every row again, and the restore command runs it.
+- Version 1 of these functions (migration 0005) marked the first id a writer took, which took a
+  transaction-local setting to know; marking the writer instead cut the trigger's cost by a
+  fifth (docs/benchmarks.rst, Creations).
 """
 
 import sqlalchemy as sa
@@ -60,7 +65,7 @@ ORDER_XID = "order_xid"
 INT64_MAX = 2**63 - 1
 
 # The lock around taking an id and its stamp: advisory, on two int4 keys (a space apart from the
-# one-bigint keys that mark pending ids), this constant and the id sequence's oid.
+# one-bigint keys that mark writers in flight), this constant and the id sequence's oid.
 LOCK_SPACE = 0x6B657973  # "keys"
 
 # Both functions take that lock by trying, not waiting: PostgreSQL hands a released lock to the
@@ -81,26 +86,27 @@ UNLOCK = f"""    EXCEPTION WHEN OTHERS OR query_canceled THEN
     END;
     PERFORM pg_advisory_unlock({LOCK_SPACE}, ids::oid::int);"""
 TAKE_ID_FUNCTION = f"""
-CREATE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     ids regclass := TG_ARGV[0];
     stamps regclass := TG_ARGV[1];
     own bigint := pg_current_xact_id()::text::bigint;
-    first_id_setting text := 'keyset.first_id_' || ids::oid;
     locked boolean := false;
+    last_stamp bigint;
     taken bigint;
     stamp bigint;
 BEGIN
+    -- The writer's mark, until it ends, for keyset_in_flight: its transaction id, taken before
+    -- its first id. A further row takes it again, which only counts up in the backend's own
+    -- lock table: a seed of 10,000 rows holds one lock.
+    PERFORM pg_advisory_xact_lock_shared(own);
     BEGIN
 {LOCK}
         taken := nextval(ids);
-        stamp := greatest(own, coalesce(pg_sequence_last_value(stamps), 0));
-        PERFORM setval(stamps, stamp);
-        -- The transaction's first id here is marked pending until it ends, for
-        -- keyset_pending_from.
-        IF coalesce(current_setting(first_id_setting, true), '') = '' THEN
-            PERFORM pg_advisory_xact_lock_shared(taken);
-            PERFORM set_config(first_id_setting, taken::text, true);
+        last_stamp := coalesce(pg_sequence_last_value(stamps), 0);
+        stamp := greatest(own, last_stamp);
+        IF stamp > last_stamp THEN
+            PERFORM setval(stamps, stamp);
         END IF;
 {UNLOCK}
     NEW.id := taken;
@@ -109,29 +115,27 @@ BEGIN
 END $$
 """
 
-PENDING_FROM_FUNCTION = f"""
-CREATE FUNCTION keyset_pending_from(ids regclass) RETURNS bigint LANGUAGE plpgsql AS $$
+IN_FLIGHT_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION keyset_in_flight(ids regclass, OUT last_id bigint, OUT oldest bigint)
+LANGUAGE plpgsql AS $$
 DECLARE
     locked boolean := false;
-    last_id bigint;
-    pending bigint;
 BEGIN
     BEGIN
 {LOCK}
-        -- Under the lock, every id up to last_id has its writer's mark in place.
+        -- Under the lock, every writer of an id up to last_id has its mark in place.
         last_id := coalesce(pg_sequence_last_value(ids), 0);
 {UNLOCK}
-    SELECT min((classid::bigint << 32) | objid::bigint) INTO pending
+    SELECT min((classid::bigint << 32) | objid::bigint) INTO oldest
     FROM pg_locks
     WHERE locktype = 'advisory' AND objsubid = 1 AND mode = 'ShareLock'
         AND database = (SELECT oid FROM pg_database WHERE datname = current_database());
-    RETURN least(pending, last_id + 1);
 END $$
 """  # noqa: S608 - constants only
 
 
-# The first id that may not be shown yet: see read_page in store.py.
-PENDING_FROM = sa.text("SELECT keyset_pending_from(CAST(:ids AS regclass))")
+# The last id taken and the oldest writer still in flight: see read_page in store.py.
+IN_FLIGHT = sa.text("SELECT last_id, oldest FROM keyset_in_flight(CAST(:ids AS regclass))")
 
 
 def sequences(table: str) -> tuple[str, str]:
@@ -205,9 +209,10 @@ def forget_order(connection: sa.Connection) -> list[str]:
     """Settle every row of every keyset table, in the connection's transaction; return the tables.
 
     After a logical restore into another cluster the stamps are another cluster's transaction
-    ids. Walks stay exact regardless (where a stamp says "not settled", the read asks which ids
-    are pending), but every read near such rows would take that slower path, and so would every
-    new row's, whose stamp is the highest so far.
+    ids. Walks stay exact regardless (where a stamp says "not settled", the read asks which
+    writers are in flight), but every read near such rows would take that slower path and show
+    them only while no writer is in flight, and so would every new row's, whose stamp is the
+    highest so far.
     """
     tables = list(connection.scalars(KEYSET_TABLES))
     for table in tables:
@@ -237,12 +242,24 @@ def _snapshot_xmin_postgresql(element, compiler, **kw) -> str:
     return "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 
 
+# What keyset_in_flight answered, for a page's second read (store.read_page); by default no row
+# is settled by them, and the first read is settled by its snapshot alone.
+LAST_ID, OLDEST = "keyset_last_id", "keyset_oldest"
+
+
 def settled(table: sa.Table) -> ColumnElement[bool]:
     """A column of a SELECT: whether the row may be shown in a page (see the module's docs).
 
     The snapshot's xmin is a scalar subquery, so it is computed once per statement.
     """
-    return (table.c[ORDER_XID] < sa.select(SnapshotXmin()).scalar_subquery()).label("settled")
+    stamp = table.c[ORDER_XID]
+    return sa.or_(
+        stamp < sa.select(SnapshotXmin()).scalar_subquery(),
+        sa.and_(
+            table.c.id <= sa.bindparam(LAST_ID, 0, type_=sa.BigInteger()),
+            stamp < sa.bindparam(OLDEST, 0, type_=sa.BigInteger()),
+        ),
+    ).label("settled")
 
 
 def settled_prefix(rows: list[dict]) -> list[dict]:

@@ -60,20 +60,22 @@ def read_page(select, values, table: sa.Table) -> list[dict]:
     """Run a keyset page's read, whose rows say whether they are settled (keyset.settled).
 
     A row is settled at once when every transaction up to its stamp has ended. Where one has not,
-    maybe a writer of another database or one that took no id, the read asks which ids are still
-    pending (keyset_pending_from: every writer marks its first id until it ends) and reads again,
-    in a snapshot taken after that answer: a row below the first pending id is settled too.
+    maybe a writer of another database or one that took no id, the read asks for the last id
+    taken and the oldest writer in flight (keyset_in_flight: every writer is marked from before
+    its first id until it ends), and reads again, in a snapshot taken after that answer: a row
+    up to that id and stamped below that writer is settled too.
     """
     with db.engine.connect() as connection:
         rows = as_dicts(connection.execute(select, values))
         if all(row["settled"] for row in rows):
             return rows
         ids, _ = keyset.sequences(table.name)
-        pending_from = connection.execute(keyset.PENDING_FROM, {"ids": ids}).scalar_one()
-        rows = as_dicts(connection.execute(select, values))
-    for row in rows:
-        row["settled"] = row["settled"] or row["id"] < pending_from
-    return rows
+        last_id, oldest = connection.execute(keyset.IN_FLIGHT, {"ids": ids}).one()
+        in_flight = {
+            keyset.LAST_ID: last_id,
+            keyset.OLDEST: keyset.INT64_MAX if oldest is None else oldest,
+        }
+        return as_dicts(connection.execute(select, {**values, **in_flight}))
 
 
 def find_pet(pet_id: int) -> dict | None:

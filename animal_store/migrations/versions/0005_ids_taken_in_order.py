@@ -7,12 +7,14 @@ On PostgreSQL the pets' identity becomes a plain sequence that goes on where the
 have, and a trigger takes the ids; existing rows get order_xid 0, settled. On SQLite the column
 is added and nothing else changes: its single writer already orders ids. Both directions work on
 a populated table, without rewriting it (a column with a constant default is only recorded).
+Its functions are kept as it made them (keyset_0005.py): 0006 replaces them.
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 from animal_store import keyset
+from animal_store.migrations import keyset_0005
 
 revision = "0005"
 down_revision = "0004"
@@ -26,8 +28,8 @@ def upgrade():
             sa.Column(keyset.ORDER_XID, sa.BigInteger(), nullable=False, server_default="0")
         )
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(keyset.TAKE_ID_FUNCTION)
-        op.execute(keyset.PENDING_FROM_FUNCTION)
+        op.execute(keyset_0005.TAKE_ID_FUNCTION)
+        op.execute(keyset_0005.PENDING_FROM_FUNCTION)
         for statement in keyset.order_ids_sql("pets"):
             op.execute(statement)
 
