@@ -15,6 +15,15 @@ database, wrk with 32 connections POSTing animals, on fast and on 2 ms commits i
     python benchmarks/creations.py                       # 1, 16, 64 writers, fast and 2 ms
     python benchmarks/creations.py --writers 16 --duration 10 --rounds 3
     python benchmarks/creations.py --service             # through gunicorn and wrk
+    python benchmarks/creations.py --instructions 1000   # instructions an insert, callgrind
+
+--instructions counts the CPU instructions the server spends on one creation, the service's
+against a plain INSERT, with valgrind's callgrind: the same count whatever else the machine does,
+where the throughputs above move with every other process on a 2-core machine. It runs
+`postgres --single` on a cluster of its own (tests/postgres_cluster.py), N and then 2N creations
+each in a transaction of its own, and takes the difference: what one more creation costs, with
+start and end left out. One writer, so no waiting and no lock handed over: the trigger's own
+work.
 
 Needs pgbench (Debian's postgresql package has it) and, for --service, wrk; the admin URL
 (--admin-url, default postgresql://postgres@127.0.0.1:5432/postgres) must be a superuser's.
@@ -48,6 +57,8 @@ SAMPLE = {"name": "Benchmark Rex", "category_id": 3, "status": "available"}
 
 def main():
     args = parse_args()
+    if args.instructions:
+        return measure_instructions(args.instructions)
     name = f"animal_store_creations_{os.getpid()}"
     admin = args.admin_url
     with psycopg.connect(admin, autocommit=True) as connection:
@@ -80,6 +91,9 @@ def parse_args():
     parser.add_argument("--workers", type=int, default=8, help="gunicorn workers (8)")
     parser.add_argument("--connections", type=int, default=32, help="wrk connections (32)")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
+    parser.add_argument(
+        "--instructions", type=int, metavar="N", help="count instructions with callgrind"
+    )
     return parser.parse_args()
 
 
@@ -244,6 +258,70 @@ def measure_service(database_url, args):
         print(f"  {commits:<6} commits: {statistics.median(figures):8,.0f} creations/s")
     met = "met" if ratio >= SERVICE_TARGET_RATIO else "NOT met"
     print(f"  2 ms / fast: {ratio:.2f} (target at least {SERVICE_TARGET_RATIO}: {met})")
+
+
+def measure_instructions(count: int) -> None:
+    from postgres_cluster import BINDIR, PostgresCluster
+
+    if not shutil.which("valgrind"):
+        sys.exit("valgrind is not installed (Debian: valgrind)")
+    cluster = PostgresCluster()
+    stopped = False
+    try:
+        database_url = cluster.create_database("creations")
+        flask(database_url, "db", "upgrade")
+        workdir = cluster.directory
+        scripts = write_pgbench_scripts(libpq_url(database_url), workdir)
+        cluster.run("pg_ctl", "--pgdata", str(cluster.data), "--wait", "stop")
+        stopped = True
+        print(f"instructions in the server, per creation (callgrind; {count} and {2 * count})")
+        per_creation = {}
+        for name, script in scripts.items():
+            counts = [
+                single_user_instructions(cluster, script, n, BINDIR) for n in (count, 2 * count)
+            ]
+            per_creation[name] = (counts[1] - counts[0]) / count
+            print(f"  {name:<13}{per_creation[name]:>12,.0f}")
+        ratio = per_creation["plain INSERT"] / per_creation["service"]
+        print(f"  plain / service: {ratio:.2f}")
+    finally:
+        if stopped:
+            shutil.rmtree(cluster.directory, ignore_errors=True)
+        else:
+            cluster.stop()
+
+
+def single_user_instructions(cluster, script: Path, count: int, bindir: Path) -> int:
+    """Run the pgbench script `count` times in `postgres --single` under callgrind; return the
+    instructions it counted."""
+    # Single-user mode with -j ends a statement at a semicolon followed by an empty line.
+    statements = [line for line in script.read_text().splitlines() if line.strip()]
+    commands = cluster.directory / f"{script.stem}-{count}.sql"
+    commands.write_text("".join(f"{line}\n\n" for line in statements) * count)
+    output = cluster.directory / f"{script.stem}-{count}.callgrind"
+    completed = subprocess.run(
+        [
+            *cluster.as_postgres,
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={output}",
+            str(bindir / "postgres"),
+            "--single",
+            "-j",
+            "-D",
+            str(cluster.data),
+            "creations",
+        ],
+        stdin=commands.open(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(re.search(r"Collected : (\d+)", completed.stderr)[1])
+
+
+def libpq_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
 def load() -> str:
