@@ -210,6 +210,28 @@ def test_a_page_stops_before_an_animal_still_in_flight(client, auth, make_pet, p
     assert (ids, link) == ([late, quick], None)
 
 
+def test_an_older_transaction_that_takes_a_later_id_waits_for_the_lower_one(
+    client, auth, postgres_url
+):
+    # The early writer's transaction id is older than the late one's, but its animal's id is
+    # higher: its stamp must cover the late writer still in flight, not be its own id.
+    with psycopg.connect(postgres_url) as early, psycopg.connect(postgres_url) as late:
+        early.execute("SELECT pg_current_xact_id()")
+        lower = late.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Lower', 1) RETURNING id"
+        ).fetchone()[0]
+        higher = early.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Higher', 1) RETURNING id"
+        ).fetchone()[0]
+        early.commit()
+        assert higher > lower
+        ids, link = page_ids(client, auth)
+        assert ids == []
+        assert link is not None
+        late.commit()
+    assert page_ids(client, auth, next_path(link)) == ([lower, higher], None)
+
+
 def test_a_page_cut_before_its_first_animal_is_empty_with_a_next_link(
     client, auth, make_pet, postgres_url
 ):
