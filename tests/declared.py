@@ -87,8 +87,8 @@ class Operation:
         """The scope the document says a key needs for the operation; None when it needs no key."""
         if not self.documented["security"]:
             return None
-        ((scopes,),) = (requirement.values() for requirement in self.documented["security"])
-        (scope,) = scopes
+        (requirement,) = self.documented["security"]  # one scheme, bearerAuth
+        ((scope,),) = requirement.values()
         return scope
 
 
@@ -119,16 +119,14 @@ def operations(app) -> list[Operation]:
         blueprint = app.blueprints.get(rule.endpoint.rpartition(".")[0])
         if not isinstance(blueprint, flask_smorest.Blueprint):
             continue
-        view = app.view_functions[rule.endpoint]
+        # flask-smorest's declarations of the view, and the API layer's beside them (public,
+        # errors, deprecation): what the layer builds the document and its policies from.
+        declared = getattr(app.view_functions[rule.endpoint], "_apidoc", {})
         for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
             path, operation = documented.get(
                 (method, path_shape(rule.rule.removeprefix(base))), (None, None)
             )
-            found.append(
-                Operation(
-                    method, rule.rule, rule.endpoint, getattr(view, "_apidoc", {}), path, operation
-                )
-            )
+            found.append(Operation(method, rule.rule, rule.endpoint, declared, path, operation))
     return found
 
 
@@ -180,11 +178,8 @@ APP = create_app({"TESTING": True, "DATABASE_URL": "sqlite://"})
 OPERATIONS = operations(APP)
 PROTECTED = [operation for operation in OPERATIONS if not operation.public]
 PATHS = allowed_methods(APP)
-LAYER_PATHS = {
-    rule: methods
-    for rule, methods in PATHS.items()
-    if rule.startswith(base_path(document(APP)) + "/")
-}
+BASE_PATH = base_path(document(APP))
+LAYER_PATHS = {rule: methods for rule, methods in PATHS.items() if rule.startswith(f"{BASE_PATH}/")}
 # Each method a path does not have: what a client may send it and get 405.
 REFUSED = [
     (rule, method)
