@@ -145,6 +145,20 @@ def make_pet(app):
 
 
 @pytest.fixture
+def row_counts(app):
+    """Return {table: rows} over every table: a request refused before its view changes none."""
+
+    def counts():
+        with app.app_context():
+            return {
+                name: db.session.scalar(sa.select(sa.func.count()).select_from(table))
+                for name, table in db.metadata.tables.items()
+            }
+
+    return counts
+
+
+@pytest.fixture
 def count_pets(app):
     def count():
         with app.app_context():

@@ -5,17 +5,17 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from declared import PROTECTED
 
 from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
-OPERATIONS = [("get", "/v1/pets"), ("post", "/v1/pets"), ("get", "/v1/pets/1")]
 REALM = 'Bearer realm="animal-store"'
 INVALID = f'{REALM}, error="invalid_token"'
 
 
-@pytest.mark.parametrize(("method", "path"), OPERATIONS)
+@pytest.mark.parametrize("operation", PROTECTED, ids=str)
 @pytest.mark.parametrize(
     ("authorization", "challenge"),
     [
@@ -32,19 +32,23 @@ INVALID = f'{REALM}, error="invalid_token"'
     ],
 )
 def test_request_without_valid_key_returns_401(
-    client, api_key, method, path, authorization, challenge, count_pets
+    client, api_key, operation, authorization, challenge, row_counts
 ):
     headers = {}
     if authorization is not None:
         headers["Authorization"] = authorization.format(key=api_key, key_upper=api_key.upper())
+    before = row_counts()
     response = client.open(
-        path, method=method.upper(), headers=headers, json={"name": "Rex", "categoryId": 1}
+        operation.url,
+        method=operation.method,
+        headers=headers,
+        json={"name": "Rex", "categoryId": 1},
     )
     assert response.status_code == 401
     assert response.get_json()["code"] == "unauthorized"
     assert response.get_json()["status"] == 401
     assert response.headers["WWW-Authenticate"] == challenge
-    assert count_pets() == 0
+    assert row_counts() == before
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])

@@ -1,5 +1,6 @@
 """The service keeps its OpenAPI document: schemathesis sends generated valid and invalid requests
-to every operation, through WSGI, with every check on.
+to every operation, through WSGI, with every check on. The contract's own operations are written
+out here, once: the document must hold them, whatever it adds.
 
 The run is bounded and seeded so CI is short and repeatable; CONTRACT_MAX_EXAMPLES and
 CONTRACT_SEED make a longer or different run locally (docs/development.rst, "Contract tests").
@@ -94,6 +95,28 @@ def with_real_cursor(case):
             walk_status = status if status in PET_STATUSES else None
             case.query["cursor"] = encode_cursor(Position(1, walk_status))
     return case
+
+
+# The contract's operations (its section 4): method, path, name, the statuses it names and whether
+# it is deprecated. The document may add operations and statuses (docs/api.rst, The operations),
+# never drop these; every other test derives the operations from the app.
+CONTRACT_OPERATIONS = [
+    ("get", "/pets", "listPets", {"200", "401"}, False),
+    ("post", "/pets", "createPet", {"201", "400", "401"}, False),
+    ("get", "/pets/{petId}", "getPet", {"200", "401", "404"}, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "operation_id", "statuses", "deprecated"), CONTRACT_OPERATIONS
+)
+def test_document_has_the_contracts_operations(
+    client, method, path, operation_id, statuses, deprecated
+):
+    operation = client.get("/v1/openapi.json").get_json()["paths"][path][method]
+    assert operation["operationId"] == operation_id
+    assert statuses <= set(operation["responses"])
+    assert operation.get("deprecated", False) is deprecated
 
 
 @pytest.fixture

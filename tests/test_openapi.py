@@ -6,6 +6,7 @@ import sys
 import unicodedata
 
 import pytest
+from declared import OPERATIONS, PROTECTED, declared_fields, operations
 from marshmallow import ValidationError
 from openapi_spec_validator import validate
 
@@ -13,9 +14,10 @@ from animal_store.errors import APIError
 from animal_store.idempotency.header import KEY_PATTERN as IDEMPOTENCY_KEY_PATTERN
 from animal_store.idempotency.header import idempotency_key
 from animal_store.openapi import DOCS_CSP
-from animal_store.schemas import INT64_MAX, INT64_MIN, NAME_PATTERN, validate_name
+from animal_store.schemas import INT64_MAX, INT64_MIN, NAME_PATTERN, EnumField, validate_name
 
 RATE_LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
+READ_METHODS = {"GET", "HEAD"}
 
 
 def all_operations(document):
@@ -38,21 +40,33 @@ def schemas_in(value):
             yield from schemas_in(item)
 
 
-def test_status_enum_is_one_component_referred_to_everywhere(document):
+def test_each_enum_field_refers_to_its_one_component(document):
+    # Every field of an enum type that a view loads or dumps is a reference to the enum's
+    # component, wherever it appears (a query parameter, a body, an answer), and no other place
+    # spells the values out again.
+    referred = set()
+    for operation in OPERATIONS:
+        for field, node in declared_fields(operation, document):
+            if isinstance(field, EnumField):
+                assert node.get("$ref") == f"#/components/schemas/{field.component}", operation
+                assert not {"enum", "type"} & set(node), operation
+                referred.add(type(field))
+    assert referred == set(EnumField.__subclasses__())
+    for enum in EnumField.__subclasses__():
+        component = document["components"]["schemas"][enum.component]
+        assert component["enum"] == list(enum.choices)
+        spelled_out = [
+            node for node in schemas_in(document) if node.get("enum") == component["enum"]
+        ]
+        assert spelled_out == [component]
+
+
+def test_status_enum_has_the_contracts_values(document):
     assert document["components"]["schemas"]["PetStatus"]["enum"] == [
         "available",
         "pending",
         "sold",
     ]
-    references = [
-        node
-        for node in schemas_in(document)
-        if node.get("$ref") == "#/components/schemas/PetStatus"
-    ]
-    # The list filter, the new animal's field and the animal's field.
-    assert len(references) == 3
-    enums = [node["enum"] for node in schemas_in(document) if "available" in node.get("enum", ())]
-    assert enums == [["available", "pending", "sold"]]
 
 
 @pytest.fixture
@@ -79,22 +93,25 @@ def test_openapi_command_prints_the_served_document(client, runner):
 
 
 def test_openapi_document_lists_every_route_of_the_api(app, document):
-    # Every route of the pets resource is documented, each with its operation id.
-    routes = {
-        (method.lower(), rule.rule.removeprefix("/v1"))
-        for rule in app.url_map.iter_rules()
-        if rule.endpoint.startswith("v1.pets.")
-        for method in rule.methods - {"HEAD", "OPTIONS"}
-    }
+    # Every route of a documented resource, and nothing else, is an operation of the document.
+    routes = {(operation.method, operation.path) for operation in operations(app)}
     documented = {
-        (method, re.sub(r"\{(\w+)\}", "<pet_id>", path))
-        for path, operations in document["paths"].items()
-        for method in operations
+        (method.upper(), path)
+        for path, methods in document["paths"].items()
+        for method in methods
         if method != "parameters"
     }
-    assert documented == routes
-    operation_ids = {operation["operationId"] for operation in all_operations(document)}
-    assert operation_ids == {"listPets", "createPet", "getPet"}
+    assert routes == documented
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=str)
+def test_each_operation_has_the_id_and_tag_its_view_declares(document, operation):
+    assert operation.operation_id
+    assert operation.documented["operationId"] == operation.operation_id
+    ids = [documented["operationId"] for documented in all_operations(document)]
+    assert ids.count(operation.operation_id) == 1
+    # Tagged with its resource, so the docs page groups it there.
+    assert operation.documented["tags"] == [operation.resource]
 
 
 def test_openapi_servers_come_from_settings(make_app):
@@ -118,35 +135,30 @@ def test_every_operation_needs_a_bearer_key(document):
         "description": document["components"]["securitySchemes"]["bearerAuth"]["description"],
     }
     assert document["security"] == [{"bearerAuth": []}]
-    for operation in all_operations(document):
-        assert "WWW-Authenticate" in operation["responses"]["401"]["headers"]
-        assert "`forbidden`" in operation["responses"]["403"]["description"]
 
 
-@pytest.mark.parametrize(
-    ("path", "method", "scope"),
-    [("/pets", "get", "read"), ("/pets", "post", "write"), ("/pets/{petId}", "get", "read")],
-)
-def test_each_operation_names_the_scope_it_needs(document, path, method, scope):
-    # OpenAPI 3.1: a bearer scheme's requirement may list roles; here the key's scope.
-    assert document["paths"][path][method]["security"] == [{"bearerAuth": [scope]}]
+@pytest.mark.parametrize("operation", PROTECTED, ids=str)
+def test_each_operation_names_the_scope_it_needs(operation):
+    # OpenAPI 3.1: a bearer scheme's requirement may list roles; here the key's scope. Reads
+    # need `read`, everything else `write` (docs/api.rst, Authentication);
+    # tests/test_key_scopes.py holds each operation to the scope named here.
+    expected = "read" if operation.method in READ_METHODS else "write"
+    assert operation.documented["security"] == [{"bearerAuth": [expected]}]
+    responses = operation.documented["responses"]
+    assert "WWW-Authenticate" in responses["401"]["headers"]
+    assert "`forbidden`" in responses["403"]["description"]
 
 
-@pytest.mark.parametrize(
-    ("path", "method", "statuses"),
-    [
-        ("/pets", "get", {"200", "304", "400", "401", "403", "405", "429", "500", "503"}),
-        (
-            "/pets",
-            "post",
-            {"201", "400", "401", "403", "405", "409", "413", "415", "422", "429", "500", "503"},
-        ),
-        ("/pets/{petId}", "get", {"200", "304", "401", "403", "404", "405", "429", "500", "503"}),
-    ],
-)
-def test_every_response_the_operation_gives_is_documented(document, path, method, statuses):
-    responses = document["paths"][path][method]["responses"]
-    assert set(responses) == statuses
+@pytest.mark.parametrize("operation", OPERATIONS, ids=str)
+def test_every_response_the_operation_gives_is_documented(operation):
+    # Its view's answers and errors, and what the layer adds; tests/test_contract.py checks that
+    # the service answers none other.
+    responses = operation.documented["responses"]
+    assert set(responses) == {str(status) for status in operation.statuses}
+    for kind in operation.error_kinds:
+        response = responses[str(kind.status)]
+        assert f"`{kind.code}`" in response["description"]
+        assert set(kind.headers) <= set(response.get("headers", {}))
     for status, response in responses.items():
         if status == "304":
             assert "content" not in response  # Not Modified has no body
@@ -154,13 +166,39 @@ def test_every_response_the_operation_gives_is_documented(document, path, method
         schema = response["content"]["application/json"]["schema"]
         if status >= "400":
             assert schema == {"$ref": "#/components/schemas/Error"}
+    if operation.public:
+        return
     assert "Allow" in responses["405"]["headers"]
     for status in ("429", "503"):
         assert "Retry-After" in responses[status]["headers"]
     for status in set(responses) - {"405"}:
-        assert {"RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset"} <= set(
-            responses[status]["headers"]
-        )
+        assert set(RATE_LIMIT_HEADERS) <= set(responses[status]["headers"])
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "own"),
+    [
+        ("/pets", "get", {"200", "304", "400"}),
+        ("/pets", "post", {"201", "400", "409", "413", "415", "422"}),
+        ("/pets/{petId}", "get", {"200", "304", "404"}),
+    ],
+)
+def test_each_pet_operation_documents_its_own_answers(document, path, method, own):
+    # Besides the contract's and the layer's: conditional GETs, arguments, bodies, idempotency.
+    assert own <= set(document["paths"][path][method]["responses"])
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=str)
+def test_an_operation_is_deprecated_when_its_view_says_so(operation):
+    assert operation.documented.get("deprecated", False) is operation.deprecated
+    for status, response in operation.documented["responses"].items():
+        headers = set(response.get("headers", {}))
+        if status == "405":  # answered by routing, before the view is chosen
+            assert not headers & {"Deprecation", "Sunset", "Link"}
+        elif operation.deprecated:
+            assert {"Deprecation", "Sunset", "Link"} <= headers
+        else:  # a Link of its own (a next page) is no successor
+            assert not headers & {"Deprecation", "Sunset"}
 
 
 def test_get_pet_is_deprecated_with_sunset_and_successor(document):
@@ -168,12 +206,6 @@ def test_get_pet_is_deprecated_with_sunset_and_successor(document):
     assert operation["deprecated"] is True
     assert "2030-12-05" in operation["description"]
     assert "GET /v1/pets" in operation["description"]
-    for status, response in operation["responses"].items():
-        headers = set(response.get("headers", {}))
-        if status == "405":  # answered by routing, before getPet is chosen
-            assert not headers & {"Deprecation", "Sunset", "Link"}
-        else:
-            assert {"Deprecation", "Sunset", "Link"} <= headers
 
 
 def test_create_pet_documents_location(document):
@@ -384,12 +416,5 @@ def test_docs_with_a_trailing_slash_goes_to_the_page_with_a_bare_redirect(client
 
 
 def test_the_document_lists_the_tags_its_operations_have_and_no_other(document):
-    used = {
-        tag
-        for path in document["paths"].values()
-        for operation in path.values()
-        if isinstance(operation, dict)
-        for tag in operation["tags"]
-    }
-    assert document["tags"] == [{"name": "pets"}]
-    assert {tag["name"] for tag in document["tags"]} == used
+    listed = [tag["name"] for tag in document["tags"]]
+    assert sorted(listed) == sorted({operation.resource for operation in OPERATIONS})

@@ -93,12 +93,6 @@ def test_deprecation_headers_follow_the_setting(make_app, api_key):
     assert response.headers["Link"] == '</v2/animals>; rel="successor-version"'
 
 
-def test_list_pets_is_not_deprecated(client, auth):
-    response = client.get("/v1/pets", headers=auth)
-    assert "Deprecation" not in response.headers
-    assert "Sunset" not in response.headers
-
-
 def test_get_pet_missing_returns_404(client, auth, make_pet):
     make_pet()
     response = client.get("/v1/pets/2", headers=auth)
