@@ -1,9 +1,18 @@
 """Extension objects, created unbound and bound to an app in create_app."""
 
+from typing import TYPE_CHECKING, cast
+
+from flask import Flask
 from flask_migrate import Migrate
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import event
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.pool import ConnectionPoolEntry
+
+if TYPE_CHECKING:
+    # Only for the checker: settings_schema imports the API layer, which imports this module.
+    from animal_store.settings_schema import Settings
 
 
 class Base(DeclarativeBase):
@@ -14,13 +23,18 @@ db = SQLAlchemy(model_class=Base)
 migrate = Migrate()
 
 
-def tune_sqlite_connections(app) -> None:
+def settings(app: Flask) -> "Settings":
+    """Return the app's settings as checked at boot (settings.py), each with its type."""
+    return cast("Settings", app.extensions["animal_store_settings"])
+
+
+def tune_sqlite_connections(app: Flask) -> None:
     """Set up every new SQLite connection so several workers can write without 'locked' errors."""
     with app.app_context():
         engine = db.engine
     if engine.dialect.name != "sqlite":
         return
-    busy_timeout_ms = int(app.config["SQLITE_BUSY_TIMEOUT"] * 1000)
+    busy_timeout_ms = int(settings(app).SQLITE_BUSY_TIMEOUT * 1000)
     pragmas = (
         # Readers never block the writer and the writer never blocks readers.
         "PRAGMA journal_mode=WAL",
@@ -33,7 +47,9 @@ def tune_sqlite_connections(app) -> None:
     )
 
     @event.listens_for(engine, "connect")
-    def apply_pragmas(dbapi_connection, _connection_record):
+    def apply_pragmas(
+        dbapi_connection: DBAPIConnection, _connection_record: ConnectionPoolEntry
+    ) -> None:
         cursor = dbapi_connection.cursor()
         for pragma in pragmas:
             cursor.execute(pragma)
