@@ -1,6 +1,7 @@
 """Storage: the animals and the API keys, portable between SQLite and PostgreSQL."""
 
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import (
     BigInteger,
@@ -16,10 +17,18 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from animal_store.extensions import db
+from animal_store.extensions import Base, db
+
+if TYPE_CHECKING:
+    # Flask-SQLAlchemy makes db.Model at run time, from Base: the checker sees a variable, not a
+    # class, so it checks the models against Base, whose mappings and registry db.Model has.
+    Model = Base
+else:
+    Model = db.Model
 
 # BIGINT identity on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the 64-bit rowid.
 Int64Id = BigInteger().with_variant(Integer, "sqlite")
@@ -27,20 +36,20 @@ Int64Id = BigInteger().with_variant(Integer, "sqlite")
 PET_STATUSES = ("available", "pending", "sold")
 
 
-class UTCDateTime(TypeDecorator):
+class UTCDateTime(TypeDecorator[datetime]):
     """An aware UTC datetime on every backend; SQLite alone would hand back naive ones."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value, dialect):
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         return None if value is None else value.astimezone(UTC)
 
-    def process_result_value(self, value, dialect):
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         return None if value is None else value.replace(tzinfo=value.tzinfo or UTC)
 
 
-class Pet(db.Model):
+class Pet(Model):
     __tablename__ = "pets"
 
     # No identity: on PostgreSQL a trigger takes ids in order, and stamps order_xid (keyset.py).
@@ -57,7 +66,7 @@ class Pet(db.Model):
     __table_args__ = (Index("ix_pets_status_id", "status", "id"),)
 
 
-class ApiKey(db.Model):
+class ApiKey(Model):
     __tablename__ = "api_keys"
 
     id: Mapped[int] = mapped_column(Int64Id, Identity(), primary_key=True)
@@ -82,7 +91,7 @@ class ApiKey(db.Model):
     previous_key_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class IdempotencyRecord(db.Model):
+class IdempotencyRecord(Model):
     """One Idempotency-Key of one API key: claimed while its request runs, then its answer."""
 
     __tablename__ = "idempotency_records"
