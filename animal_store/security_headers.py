@@ -1,13 +1,15 @@
 """Headers every response carries so browsers and caches do not misuse what the API sends."""
 
-from flask import request
+from collections.abc import Callable
+
+from flask import Response, request
 
 
-def security_headers(private):
+def security_headers(private: Callable[[], bool]) -> Callable[[Response], None]:
     """Return the step adding the headers to an answer; `private()` tells the answers meant for
     one key holder."""
 
-    def add_security_headers(response) -> None:
+    def add_security_headers(response: Response) -> None:
         # Browsers must not guess a type: an error echoing input is JSON, never HTML or script.
         response.headers["X-Content-Type-Options"] = "nosniff"
         if private() or "Authorization" in request.headers:
