@@ -6,15 +6,23 @@ checks each hook for a coroutine and looks up its context on every request, and 
 returns nothing costs only itself.
 """
 
+from collections.abc import Callable, Iterable
 
-def register_hooks(app, before=(), after=()) -> None:
+from flask import Flask, Response
+
+
+def register_hooks(
+    app: Flask,
+    before: Iterable[Callable[[], None]] = (),
+    after: Iterable[Callable[[Response], None]] = (),
+) -> None:
     """Run the `before` steps before every view, then the `after` steps on every answer."""
 
-    def before_request():
+    def before_request() -> None:
         for step in before:
             step()
 
-    def after_request(response):
+    def after_request(response: Response) -> Response:
         for step in after:
             step(response)
         return response
