@@ -7,19 +7,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from animal_store import rate_limits
 from animal_store.deadlines import shorten_deadline
 from animal_store.errors import database_unavailable
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 
 bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
-def healthz():
+def healthz() -> tuple[dict[str, str], int]:
     """Answer as long as the process can serve a request; the database is not consulted."""
     return {"status": "ok"}, 200
 
 
 @bp.get("/readyz")
-def readyz():
+def readyz() -> tuple[dict[str, str], int]:
     """Answer 200 when the database answers a trivial query, else 503 within a bounded time.
 
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
@@ -42,6 +42,6 @@ def readyz():
 def check_database() -> None:
     # Its own deadline, enforced from the client as every request's is: a stalled server would
     # never enforce a statement_timeout. Running past it holds no other request back.
-    shorten_deadline(current_app.config["READYZ_TIMEOUT"])
+    shorten_deadline(settings(current_app).READYZ_TIMEOUT)
     db.session.execute(text("SELECT 1"))
     db.session.rollback()
