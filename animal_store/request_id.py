@@ -4,7 +4,7 @@ import itertools
 import os
 import re
 
-from flask import g, has_request_context, request
+from flask import Response, g, has_request_context, request
 
 HEADER = "X-Request-ID"
 # Wide enough for UUIDs, nginx's $request_id and most tracing IDs; narrow enough that an ID
@@ -19,7 +19,7 @@ class RequestIds:
     cost rather than the system's random source per request. Not secrets: they are sent back.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.start()
         # A forked worker draws its own bits, so no two processes share a prefix.
         os.register_at_fork(after_in_child=self.start)
@@ -42,9 +42,10 @@ def current_request_id() -> str | None:
     if "request_id" not in g:
         incoming = request.headers.get(HEADER, "")
         g.request_id = incoming if VALID_REQUEST_ID.fullmatch(incoming) else NEW_IDS.new()
-    return g.request_id
+    request_id: str = g.request_id
+    return request_id
 
 
-def add_request_id_header(response) -> None:
+def add_request_id_header(response: Response) -> None:
     # Chosen on first use (a log line, or this header), the same for the whole request.
     response.headers[HEADER] = current_request_id()
