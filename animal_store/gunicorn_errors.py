@@ -9,6 +9,7 @@ Only config/gunicorn.conf.py imports this module; the app never does.
 """
 
 import inspect
+import socket
 
 from gunicorn import util
 from gunicorn.workers import base
@@ -20,7 +21,7 @@ EXPECTED_PARAMETERS = ("sock", "status_int", "reason", "mesg")
 EXPECTED_CALL = "util.write_error(client, status_int, reason, mesg)"
 
 
-def write_json_error(sock, status_int, _reason, _message):
+def write_json_error(sock: socket.socket, status_int: int, reason: str, mesg: str) -> None:
     # The catalogue's message, never gunicorn's: that may quote what the client sent (a key).
     util.write_nonblock(sock, raw_error_response(status_int))
 
