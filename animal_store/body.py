@@ -1,10 +1,13 @@
 """Request bodies: JSON objects only, read whole and strictly, or the error that says why not."""
 
+from typing import Any
+
 import orjson
 from flask import current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from animal_store import errors
+from animal_store.extensions import settings
 
 # What reading a body can answer, besides the validation of its fields.
 BODY_ERRORS = (
@@ -21,7 +24,7 @@ BODY_ERRORS = (
 JSON_WHITESPACE = b" \t\r\n"
 
 
-def json_object_body() -> dict:
+def json_object_body() -> dict[str, Any]:
     """Return the request body parsed as a JSON object, or raise the error that says why not."""
     if request.mimetype != "application/json":
         raise errors.UNSUPPORTED_MEDIA_TYPE()
@@ -49,6 +52,6 @@ def whole_body() -> bytes:
         raise errors.TRUNCATED_BODY(received=len(data), expected=request.content_length)
     # Werkzeug stops a chunked body (no Content-Length) at the limit without complaint; a body
     # that fills the limit is refused rather than parsed cut short.
-    if request.content_length is None and len(data) >= current_app.config["MAX_CONTENT_LENGTH"]:
+    if request.content_length is None and len(data) >= settings(current_app).MAX_CONTENT_LENGTH:
         raise RequestEntityTooLarge()
     return data
