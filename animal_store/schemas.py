@@ -2,6 +2,8 @@
 
 import re
 import unicodedata
+from collections.abc import Mapping
+from typing import Any
 
 from marshmallow import (
     EXCLUDE,
@@ -14,7 +16,7 @@ from marshmallow import (
 )
 
 from animal_store.models import PET_STATUSES
-from animal_store.pagination import CURSOR_SYNTAX, decode_cursor
+from animal_store.pagination import CURSOR_SYNTAX, Position, decode_cursor
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -22,7 +24,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 class Int64(fields.Integer):
     """A JSON integer within int64: no strings, floats or booleans, nothing the database refuses."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(strict=True, validate=validate.Range(INT64_MIN, INT64_MAX), **kwargs)
 
 
@@ -31,7 +33,9 @@ class QueryInteger(fields.Integer):
 
     default_error_messages = {"invalid": "Must be a whole number written with the digits 0-9."}
 
-    def _deserialize(self, value, attr, data, **kwargs):
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> int:
         if not isinstance(value, str) or not re.fullmatch(r"[0-9]{1,18}", value):
             raise self.make_error("invalid")
         return int(value)
@@ -51,14 +55,16 @@ NAME_PATTERN = (
 )
 
 
-class Cursor(fields.Field):
+class Cursor(fields.Field[Position]):
     """The opaque `cursor` query parameter, loaded as the walk Position it names."""
 
     default_error_messages = {
         "invalid": 'Not a cursor from this service; follow the URL of the Link rel="next" header.',
     }
 
-    def _deserialize(self, value, attr, data, **kwargs):
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> Position:
         try:
             return decode_cursor(value)
         except ValueError:
@@ -78,14 +84,16 @@ class EnumField(fields.String):
     description: str
     default_error_messages = {"one_of": "Must be one of: {choices}."}
 
-    def _deserialize(self, value, attr, data, **kwargs):
-        value = super()._deserialize(value, attr, data, **kwargs)
-        if value not in self.choices:
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> str:
+        text = super()._deserialize(value, attr, data, **kwargs)
+        if text not in self.choices:
             raise self.make_error("one_of", choices=", ".join(self.choices))
-        return value
+        return text
 
     @classmethod
-    def component_schema(cls) -> dict:
+    def component_schema(cls) -> dict[str, Any]:
         return {"type": "string", "enum": list(cls.choices), "description": cls.description}
 
 
@@ -132,7 +140,7 @@ class PetSchema(Schema):
     )
 
     @post_dump
-    def drop_missing_status(self, data, **kwargs):
+    def drop_missing_status(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         # An animal without a status leaves the field out; the contract has no null status.
         if data.get("status") is None:
             data.pop("status", None)
@@ -163,7 +171,7 @@ class ListQuerySchema(Schema):
     )
 
     @validates_schema
-    def cursor_matches_status(self, data, **kwargs):
+    def cursor_matches_status(self, data: dict[str, Any], **kwargs: Any) -> None:
         # A cursor continues one walk; with another filter its position would skip animals.
         if "cursor" in data and data["cursor"].status != data.get("status"):
             raise ValidationError(
