@@ -56,8 +56,11 @@ Subtle points, each relied on:
   fifth (docs/benchmarks.rst, Creations).
 """
 
+from typing import Any, NotRequired, TypedDict, TypeVar
+
 import sqlalchemy as sa
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ColumnElement, FunctionElement
 
 # The column every keyset table has, beside its `id`: 0 where the engine orders ids itself.
@@ -221,7 +224,7 @@ def forget_order(connection: sa.Connection) -> list[str]:
     return tables
 
 
-class SnapshotXmin(FunctionElement):
+class SnapshotXmin(FunctionElement[int]):
     """The oldest transaction still open when the statement's snapshot was taken.
 
     On engines with a single writer every committed row is settled, so there it is a number no
@@ -233,12 +236,12 @@ class SnapshotXmin(FunctionElement):
 
 
 @compiles(SnapshotXmin)
-def _snapshot_xmin_any(element, compiler, **kw) -> str:
+def _snapshot_xmin_any(element: SnapshotXmin, compiler: SQLCompiler, **kw: Any) -> str:
     return str(INT64_MAX)
 
 
 @compiles(SnapshotXmin, "postgresql")
-def _snapshot_xmin_postgresql(element, compiler, **kw) -> str:
+def _snapshot_xmin_postgresql(element: SnapshotXmin, compiler: SQLCompiler, **kw: Any) -> str:
     return "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 
 
@@ -262,11 +265,21 @@ def settled(table: sa.Table) -> ColumnElement[bool]:
     ).label("settled")
 
 
-def settled_prefix(rows: list[dict]) -> list[dict]:
+class Settled(TypedDict):
+    """A row of a keyset page, as far as settled_prefix reads it."""
+
+    settled: NotRequired[bool]
+
+
+Row = TypeVar("Row", bound=Settled)
+
+
+def settled_prefix(rows: list[Row]) -> list[Row]:
     """The rows, read in id order with their `settled` column, up to the first one not settled."""
     shown = []
     for row in rows:
-        if not row.pop("settled"):
+        read: Settled = row  # the checker pops a key of a TypedDict, not of a type variable
+        if not read.pop("settled"):
             break
         shown.append(row)
     return shown
