@@ -7,19 +7,25 @@ commits before it answers. The key check's bookkeeping (last used) is a transact
 so it never mixes with what a view writes.
 """
 
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any, NotRequired, TypedDict, cast
+
 import sqlalchemy as sa
 
 from animal_store import keyset
 from animal_store.extensions import db
 from animal_store.models import ApiKey, Pet
 
+# The mapped table, which the ORM types only as a FROM clause (a class may map a join).
+PETS = cast("sa.Table", Pet.__table__)
 # Built once at import, not per request: the reads select exactly the four columns the wire
 # format has, with the values bound at execution. Ids are positive, so `id > 0` starts a walk.
 # A page also reads whether each row is settled (keyset.py): it shows rows up to the first one
 # that is not.
 PET_ROW = sa.select(Pet.id, Pet.name, Pet.category_id, Pet.status)
 LIST_PAGE = (
-    PET_ROW.add_columns(keyset.settled(Pet.__table__))
+    PET_ROW.add_columns(keyset.settled(PETS))
     .where(Pet.id > sa.bindparam("after"))
     .order_by(Pet.id)
     .limit(sa.bindparam("limit"))
@@ -46,17 +52,53 @@ KEY_BY_HASH = sa.select(
 # On the table, not the mapped class: an ORM-enabled insert would take the ORM's bulk path, which
 # cost about 350 of the 1,400 µs of CPU a creation took (measured in process, issue 7).
 # The id is the database's: on PostgreSQL a trigger takes it in order (keyset.py).
-INSERT_PET = sa.insert(Pet.__table__).returning(Pet.__table__.c.id)
+INSERT_PET = sa.insert(PETS).returning(PETS.c.id)
 
 
-def pets_after(after: int, limit: int, status: str | None) -> list[dict]:
+class NewPet(TypedDict):
+    """An animal as a client sends it (NewPetSchema loads it): the store gives it its id."""
+
+    name: str
+    category_id: int
+    status: NotRequired[str]
+
+
+class PetRow(TypedDict):
+    """An animal as the store returns it: the four columns of the wire format."""
+
+    id: int
+    name: str
+    category_id: int
+    status: str | None
+
+
+class PageRow(PetRow):
+    # Whether the row may be shown yet; keyset.settled_prefix takes it out.
+    settled: NotRequired[bool]
+
+
+class KeyRow(TypedDict):
+    """An unrevoked API key as the key check reads it."""
+
+    id: int
+    name: str
+    rate_limit: str | None
+    scopes: str
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    # True when found by its own hash; False for the key a rotation replaced, in its grace.
+    current: bool
+    previous_key_expires_at: datetime | None
+
+
+def pets_after(after: int, limit: int, status: str | None) -> list[PageRow]:
     """Return up to `limit` animals with ids above `after`, in id order, of one status or any,
     each with whether it is settled (keyset.settled_prefix)."""
     select = LIST_PAGE if status is None else LIST_PAGE_WITH_STATUS
-    return read_page(select, {"after": after, "limit": limit, "status": status}, Pet.__table__)
+    return read_page(select, {"after": after, "limit": limit, "status": status}, PETS)
 
 
-def read_page(select, values, table: sa.Table) -> list[dict]:
+def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table) -> list[PageRow]:
     """Run a keyset page's read, whose rows say whether they are settled (keyset.settled).
 
     A row is settled at once when every transaction up to its stamp has ended. Where one has not,
@@ -66,7 +108,7 @@ def read_page(select, values, table: sa.Table) -> list[dict]:
     up to that id and stamped below that writer is settled too.
     """
     with db.engine.connect() as connection:
-        rows = as_dicts(connection.execute(select, values))
+        rows = cast("list[PageRow]", as_dicts(connection.execute(select, values)))
         if all(row["settled"] for row in rows):
             return rows
         ids, _ = keyset.sequences(table.name)
@@ -75,26 +117,27 @@ def read_page(select, values, table: sa.Table) -> list[dict]:
             keyset.LAST_ID: last_id,
             keyset.OLDEST: keyset.INT64_MAX if oldest is None else oldest,
         }
-        return as_dicts(connection.execute(select, {**values, **in_flight}))
+        return cast("list[PageRow]", as_dicts(connection.execute(select, {**values, **in_flight})))
 
 
-def find_pet(pet_id: int) -> dict | None:
-    rows = read(PET_BY_ID, {"pet_id": pet_id})
+def find_pet(pet_id: int) -> PetRow | None:
+    rows = cast("list[PetRow]", read(PET_BY_ID, {"pet_id": pet_id}))
     return rows[0] if rows else None
 
 
-def add_pet(pet: dict) -> int:
+def add_pet(pet: NewPet) -> int:
     """Insert an animal in the session's transaction and return its new id."""
-    return db.session.connection().execute(INSERT_PET, pet).scalar_one()
+    pet_id: int = db.session.connection().execute(INSERT_PET, pet).scalar_one()
+    return pet_id
 
 
-def find_key(key_hash: bytes) -> dict | None:
+def find_key(key_hash: bytes) -> KeyRow | None:
     """Return the unrevoked key with this hash, or that this hash was before a rotation, or None."""
-    rows = read(KEY_BY_HASH, {"key_hash": key_hash})
+    rows = cast("list[KeyRow]", read(KEY_BY_HASH, {"key_hash": key_hash}))
     return rows[0] if rows else None
 
 
-def record_key_use(key_id: int, now, resolution) -> None:
+def record_key_use(key_id: int, now: datetime, resolution: timedelta) -> None:
     """Set the key's last-used time, unless another worker set it within `resolution`.
 
     The UPDATE is conditional, so when several workers decide at once that the time is stale,
@@ -107,7 +150,7 @@ def record_key_use(key_id: int, now, resolution) -> None:
         )
 
 
-def read(select, values) -> list[dict]:
+def read(select: sa.Executable, values: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Run a read on a pooled connection of its own and return its rows as plain dicts.
 
     marshmallow dumps dicts faster than row mappings, and zipping them from plain rows costs less
@@ -117,7 +160,7 @@ def read(select, values) -> list[dict]:
         return as_dicts(connection.execute(select, values))
 
 
-def as_dicts(result) -> list[dict]:
+def as_dicts(result: sa.Result[Any]) -> list[dict[str, Any]]:
     columns = tuple(result.keys())
     # fetchall() takes the rows in one call; iterating would fetch them one at a time.
     return [dict(zip(columns, row, strict=True)) for row in result.fetchall()]
