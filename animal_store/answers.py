@@ -15,38 +15,52 @@ come, are never kept.
 """
 
 import threading
+from collections.abc import Hashable
+from typing import NamedTuple
 
 from cachetools import LRUCache
-from flask import current_app
+from flask import Response, current_app
+
+from animal_store.extensions import settings
+
+
+class Kept(NamedTuple):
+    """A kept answer: a tuple, as cheap to make and unpack as one, with its parts named."""
+
+    body: bytes
+    # A full page's: the query of its next page's URL; an animal's: None.
+    next_page_query: str | None = None
 
 
 class Answers:
-    def __init__(self, size_bytes: int):
+    def __init__(self, size_bytes: int) -> None:
         self.enabled = size_bytes > 0
-        self.entries = LRUCache(maxsize=max(size_bytes, 1), getsizeof=lambda entry: len(entry[0]))
+        self.entries: LRUCache[Hashable, Kept] = LRUCache(
+            maxsize=max(size_bytes, 1), getsizeof=lambda entry: len(entry[0])
+        )
         # The development server serves each request on a thread of its own.
         self.lock = threading.Lock()
 
-    def get(self, key):
+    def get(self, key: Hashable) -> Kept | None:
         with self.lock:
             return self.entries.get(key)
 
-    def put(self, key, body: bytes, extra=None) -> None:
+    def put(self, key: Hashable, body: bytes, next_page_query: str | None = None) -> None:
         if self.enabled and len(body) <= self.entries.maxsize:
             with self.lock:
-                self.entries[key] = (body, extra)
+                self.entries[key] = Kept(body, next_page_query)
 
 
 def answers() -> Answers:
     """This app's answers, made on first use so each process (worker) has its own."""
-    kept = current_app.extensions.get("animal_store_answers")
+    kept: Answers | None = current_app.extensions.get("animal_store_answers")
     if kept is None:
         kept = current_app.extensions.setdefault(
-            "animal_store_answers", Answers(current_app.config["ANSWER_CACHE_BYTES"])
+            "animal_store_answers", Answers(settings(current_app).ANSWER_CACHE_BYTES)
         )
     return kept
 
 
-def json_response(body: bytes):
+def json_response(body: bytes) -> Response:
     # The type as it is sent: no mimetype to look a charset up for.
     return current_app.response_class(body, content_type="application/json")
