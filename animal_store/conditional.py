@@ -2,10 +2,12 @@
 
 import hashlib
 import threading
+from collections.abc import Callable
 from functools import wraps
+from typing import Any
 
 from cachetools import LRUCache
-from flask import make_response, request
+from flask import Response, make_response, request
 
 from animal_store.api import Header, declare_parameter, declare_response
 
@@ -36,8 +38,8 @@ class Tags:
     ENTRIES = 1024
     LARGEST = 16 * 1024
 
-    def __init__(self):
-        self.entries = LRUCache(self.ENTRIES)
+    def __init__(self) -> None:
+        self.entries: LRUCache[tuple[bytes, str], str] = LRUCache(self.ENTRIES)
         self.lock = threading.Lock()  # the development server serves on threads
 
     def get(self, body: bytes, link: str) -> str:
@@ -65,7 +67,7 @@ def entity_tag(body: bytes, link: str) -> str:
 TAGS = Tags()
 
 
-def conditional(view):
+def conditional(view: Callable[..., Any]) -> Callable[..., Response]:
     """Tag the view's 200 answers with a strong ETag and answer a matching If-None-Match with 304.
 
     If-None-Match uses the weak comparison (RFC 9110 13.1.2): a listed tag matches with or
@@ -75,7 +77,7 @@ def conditional(view):
     """
 
     @wraps(view)
-    def tagged_view(*args, **kwargs):
+    def tagged_view(*args: Any, **kwargs: Any) -> Response:
         response = make_response(view(*args, **kwargs))
         if response.status_code != 200:
             return response
