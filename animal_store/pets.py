@@ -1,10 +1,13 @@
 """The animals resource: listPets, createPet and the deprecated getPet."""
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import orjson
-from flask import make_response, url_for
+from flask import Response, make_response, url_for
 
 from animal_store import errors, store
-from animal_store.answers import answers, json_response
+from animal_store.answers import Kept, answers, json_response
 from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
 from animal_store.extensions import db
@@ -12,6 +15,7 @@ from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
 from animal_store.keyset import settled_prefix
 from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, ListQuerySchema, NewPetSchema, PetSchema
+from animal_store.store import NewPet, PetRow
 
 bp = Blueprint("pets", __name__)
 
@@ -44,7 +48,7 @@ PET_ID = {
 @conditional
 @bp.arguments(list_query_schema, location="query")
 @bp.response(200, pets_schema, description="A page of animals.", headers={"Link": NEXT_LINK})
-def list_pets(query):
+def list_pets(query: dict[str, Any]) -> Sequence[PetRow] | Response:
     """List animals, a page at a time, in ascending id order; optionally those of one status."""
     limit, status = query["limit"], query.get("status")
     after = query["cursor"].last_id if "cursor" in query else 0
@@ -57,14 +61,15 @@ def list_pets(query):
             return pets  # the end of the list, which grows: made afresh each time
         pets = pets[:limit]
         last_id = pets[-1]["id"] if pets else after
-        kept = (orjson.dumps(pets_schema.dump(pets)), next_page_query(last_id, limit, status))
+        kept = Kept(orjson.dumps(pets_schema.dump(pets)), next_page_query(last_id, limit, status))
         if len(pets) == limit:
             answers().put(("page", after, limit, status), *kept)
         # Otherwise cut short before a row not yet settled: the rest follows once it is, and
         # the page is not kept.
     body, next_query = kept
     response = json_response(body)
-    response.headers["Link"] = next_page_link(next_query)
+    # A page's answer, which always has the query of its next page (an animal's has none).
+    response.headers["Link"] = next_page_link(cast(str, next_query))
     return response
 
 
@@ -78,11 +83,11 @@ def list_pets(query):
     headers={"Location": LOCATION, "Idempotent-Replayed": IDEMPOTENT_REPLAYED},
 )
 @idempotent
-def create_pet(pet):
+def create_pet(pet: NewPet) -> Response:
     """Add an animal and return it with its new id."""
-    pet["id"] = store.add_pet(pet)
-    location = url_for(".get_pet", pet_id=pet["id"], _external=True)
-    response = make_response(pet_schema.dump(pet), 201, {"Location": location})
+    pet_id = store.add_pet(pet)
+    location = url_for(".get_pet", pet_id=pet_id, _external=True)
+    response = make_response(pet_schema.dump({**pet, "id": pet_id}), 201, {"Location": location})
     # The answer a retry with the same Idempotency-Key gets, committed with the animal.
     remember(response)
     db.session.commit()
@@ -95,14 +100,14 @@ def create_pet(pet):
 @bp.errors(errors.PET_NOT_FOUND)
 @conditional
 @bp.response(200, pet_schema, description="The animal.")
-def get_pet(pet_id):
+def get_pet(pet_id: str) -> Response:
     """Get an animal (deprecated: list animals with the status filter instead)."""
     kept = answers().get(("pet", pet_id))
     if kept is None:
         pet = store.find_pet(int(pet_id)) if is_pet_id(pet_id) else None
         if pet is None:
             raise errors.PET_NOT_FOUND(pet_id=pet_id)  # never kept: the animal may come
-        kept = (orjson.dumps(pet_schema.dump(pet)), None)
+        kept = Kept(orjson.dumps(pet_schema.dump(pet)))
         answers().put(("pet", pet_id), *kept)
     return json_response(kept[0])
 
