@@ -17,10 +17,13 @@ that died (gunicorn kills a request after 30 s); the next request with the key t
 """
 
 import hashlib
+from collections.abc import Callable
 from functools import wraps
+from typing import Any, cast
 
 import orjson
-from flask import g, request
+from flask import Response, g, request
+from sqlalchemy import CursorResult
 
 from animal_store import errors
 from animal_store.api import Header, declare_errors, declare_parameter
@@ -48,7 +51,7 @@ def request_fingerprint() -> bytes:
     return hashlib.sha256(canonical).digest()
 
 
-def idempotent(view):
+def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
     """Run a creating view at most once per Idempotency-Key; replay its answer to retries.
 
     With the header, the request first claims the key in a transaction of its own; one that finds
@@ -59,7 +62,7 @@ def idempotent(view):
     """
 
     @wraps(view)
-    def once(*args, **kwargs):
+    def once(*args: Any, **kwargs: Any) -> Response:
         key = idempotency_key()
         if key is None:
             return view(*args, **kwargs)
@@ -85,7 +88,7 @@ def idempotent(view):
     )
 
 
-def remember(response) -> None:
+def remember(response: Response) -> None:
     """Store the answer for retries, in the view's transaction, when the request holds a key."""
     held = g.get("idempotency_claim")
     if held is None:
@@ -101,5 +104,6 @@ def remember(response) -> None:
         )
         .execution_options(synchronize_session=False)
     )
-    if stored.rowcount != 1:
+    # A DML statement's result: a CursorResult, which has a rowcount.
+    if cast("CursorResult[Any]", stored).rowcount != 1:
         raise errors.IDEMPOTENCY_CLAIM_LOST(headers=RETRY_AFTER)

@@ -9,12 +9,14 @@ import random
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
-from flask import current_app
+from flask import Response, current_app
+from sqlalchemy import CursorResult
 from sqlalchemy.exc import IntegrityError
 
 from animal_store import errors
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.models import IdempotencyRecord
 
 # How soon a retry should come back while the first request is still running.
@@ -29,10 +31,10 @@ class Claim:
     token: str
 
 
-def claim(api_key_id: int, key: str, fingerprint: bytes):
+def claim(api_key_id: int, key: str, fingerprint: bytes) -> Claim | Response:
     """Return our claim on the key, or the answer for a request that finds it taken."""
     now = datetime.now(UTC)
-    settings = current_app.config
+    config = settings(current_app)
     # A few rounds at most: each one only repeats after another request released, expired or
     # took over the key between our two statements.
     for _ in range(5):
@@ -43,7 +45,7 @@ def claim(api_key_id: int, key: str, fingerprint: bytes):
             fingerprint=fingerprint,
             claim=token,
             claimed_at=now,
-            expires_at=now + timedelta(seconds=settings["IDEMPOTENCY_TTL"]),
+            expires_at=now + timedelta(seconds=config.IDEMPOTENCY_TTL),
         )
         db.session.add(record)
         try:
@@ -68,7 +70,7 @@ def claim(api_key_id: int, key: str, fingerprint: bytes):
             raise errors.IDEMPOTENCY_KEY_REUSED()
         if existing.response_status is not None:
             return replay(existing)
-        if now - existing.claimed_at < timedelta(seconds=settings["IDEMPOTENCY_LEASE"]):
+        if now - existing.claimed_at < timedelta(seconds=config.IDEMPOTENCY_LEASE):
             raise errors.IDEMPOTENCY_KEY_IN_USE(headers=RETRY_AFTER)
         # Abandoned by a worker that died mid-request: nothing of it was committed.
         token = secrets.token_hex(16)
@@ -77,7 +79,7 @@ def claim(api_key_id: int, key: str, fingerprint: bytes):
     raise errors.IDEMPOTENCY_KEY_RACING(headers=RETRY_AFTER)
 
 
-def take_over(held: Claim, delete=False, **changes) -> bool:
+def take_over(held: Claim, delete: bool = False, **changes: Any) -> bool:
     """Delete or update the record if nobody else changed its claim first; True if we did."""
     mine = (IdempotencyRecord.id == held.record_id) & (IdempotencyRecord.claim == held.token)
     if delete:
@@ -85,7 +87,8 @@ def take_over(held: Claim, delete=False, **changes) -> bool:
     else:
         statement = db.update(IdempotencyRecord).where(mine).values(**changes)
     statement = statement.execution_options(synchronize_session=False)
-    done = db.session.execute(statement).rowcount == 1
+    # A DML statement's result: a CursorResult, which has a rowcount.
+    done = cast("CursorResult[Any]", db.session.execute(statement)).rowcount == 1
     db.session.commit()
     return done
 
@@ -95,7 +98,7 @@ def release(held: Claim) -> None:
     take_over(held, delete=True)
 
 
-def replay(record: IdempotencyRecord):
+def replay(record: IdempotencyRecord) -> Response:
     headers = {"Idempotent-Replayed": "true"}
     if record.response_location is not None:
         headers["Location"] = record.response_location
@@ -106,8 +109,11 @@ def replay(record: IdempotencyRecord):
 
 def purge_expired() -> int:
     """Delete the records whose time is up and return how many there were."""
-    deleted = db.session.execute(
-        db.delete(IdempotencyRecord).where(IdempotencyRecord.expires_at <= datetime.now(UTC))
+    deleted: int = cast(
+        "CursorResult[Any]",
+        db.session.execute(
+            db.delete(IdempotencyRecord).where(IdempotencyRecord.expires_at <= datetime.now(UTC))
+        ),
     ).rowcount
     db.session.commit()
     return deleted
@@ -116,5 +122,5 @@ def purge_expired() -> int:
 def maybe_purge_expired() -> None:
     # Now and then, on the requests that add records, so the table stays small without a cron
     # job; `flask idempotency purge` does the same on demand.
-    if random.random() < current_app.config["IDEMPOTENCY_PURGE_CHANCE"]:
+    if random.random() < settings(current_app).IDEMPOTENCY_PURGE_CHANCE:
         purge_expired()
