@@ -41,6 +41,7 @@ Redis hung every request waited out the socket timeout (issue "Degrade, don't st
 still parses the limits and names the windows.
 """
 
+import logging
 import math
 import os
 import secrets
@@ -48,15 +49,22 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 from cachetools import TLRUCache
+from flask import Flask
 from limits import RateLimitItem, parse_many
 from prometheus_client import Counter
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from animal_store import errors
+from animal_store.extensions import settings
+
+if TYPE_CHECKING:
+    # Only for the checker: settings_schema imports this module (check_limit).
+    from animal_store.settings_schema import Settings
 
 # What /readyz says of the counts (counting()).
 SHARED, PER_PROCESS, UNREACHABLE, OFF = "shared", "per process", "storage unreachable", "off"
@@ -130,7 +138,7 @@ class Window:
     reset_at: float  # when the window ends, in Unix seconds
     exceeded: bool
 
-    def headers(self) -> dict:
+    def headers(self) -> dict[str, str]:
         reset_in = max(0, math.ceil(self.reset_at - time.time()))
         headers = {
             "RateLimit-Limit": str(self.limit.amount),
@@ -147,7 +155,7 @@ class Tally:
 
     __slots__ = ("end", "key", "limit", "mine", "others", "storage_key", "synced")
 
-    def __init__(self, budget: str, limit: RateLimitItem, end: float):
+    def __init__(self, budget: str, limit: RateLimitItem, end: float) -> None:
         self.key = (budget, limit)
         self.limit = limit
         self.storage_key = limit.key_for(KEY_PREFIX, budget)
@@ -165,34 +173,38 @@ class RateLimiter:
     """Count requests by API key in fixed windows: here, and in Redis when RATELIMIT_STORAGE_URI
     names one."""
 
-    def __init__(self, config, logger):
+    def __init__(self, config: "Settings", logger: logging.Logger) -> None:
         self.logger = logger
-        self.enabled = config["RATELIMIT_ENABLED"]
-        self.uri = config["RATELIMIT_STORAGE_URI"]
-        self.default = config["RATE_LIMIT"]
-        self.sync_interval = float(config["RATELIMIT_SYNC_INTERVAL"])
-        self.retry_interval = self.retry_in = float(config["RATELIMIT_RETRY_INTERVAL"])
-        self.redis = None
+        self.enabled = config.RATELIMIT_ENABLED
+        self.uri = config.RATELIMIT_STORAGE_URI
+        self.default = config.RATE_LIMIT
+        self.sync_interval = float(config.RATELIMIT_SYNC_INTERVAL)
+        self.retry_interval = self.retry_in = float(config.RATELIMIT_RETRY_INTERVAL)
+        self.redis: redis.Redis | None = None
         if self.enabled and self.uri != "memory://":
             # Connects on first use, in the worker: a Redis that is down never stops the boot.
             # No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker
             # is the retry, and theirs would multiply the wait of a request.
             self.redis = redis.Redis.from_url(
-                self.uri, retry=Retry(NoBackoff(), 0), **config["RATELIMIT_STORAGE_OPTIONS"]
+                self.uri, retry=Retry(NoBackoff(), 0), **config.RATELIMIT_STORAGE_OPTIONS
             )
             self.script = self.redis.register_script(SYNC_SCRIPT)
         # A limit's text parsed once: a key's limit is read on every request.
-        self.parsed = {}
+        self.parsed: dict[str, list[RateLimitItem]] = {}
         # Each open window's tally by (budget, limit), until the window ends (cachetools).
-        self.tallies = TLRUCache(KNOWN_WINDOWS, ttu=window_end, timer=time.time)
+        self.tallies: TLRUCache[tuple[str, RateLimitItem], Tally] = TLRUCache(
+            KNOWN_WINDOWS, ttu=window_end, timer=time.time
+        )
         # The development server serves each request on a thread of its own.
         self.lock = threading.Lock()
         self.sync_lock = threading.Lock()
         self.next_sync = 0.0  # when (time.monotonic()) a request next syncs
-        self.last_contact = None  # when Redis last answered
+        self.last_contact: float | None = None  # when Redis last answered
         # While Redis does not answer: until when the time degraded has been counted.
-        self.degraded_since = None
-        self.pid = self.worker = None  # this process, and its name in the windows' hashes
+        self.degraded_since: float | None = None
+        # This process, and its name in the windows' hashes: both set at its first sync.
+        self.pid: int | None = None
+        self.worker = ""
 
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
@@ -206,7 +218,7 @@ class RateLimiter:
             return None
         items = self.items(limit)
         now = time.time()
-        counted = []
+        counted: list[Tally] = []
         with self.lock:
             for item in items:
                 tally = self.tallies.get((budget, item))
@@ -228,7 +240,7 @@ class RateLimiter:
             shown = shown or window
         return shown
 
-    def exceeded(self, budget: str, limit: str) -> Window | None:
+    def exceeded(self, budget: str, limit: str | None) -> Window | None:
         """Return the first of the budget's windows whose limit its count has reached, without
         counting this request: the next hit there would be over. None when limiting is off or
         each window has room.
@@ -255,6 +267,8 @@ class RateLimiter:
         """Write this worker's counts to Redis and read back the totals and the windows' ends,
         also of the windows past half their limit, where the other workers' hits soon matter;
         with none, only ask whether Redis answers. While another thread syncs: nothing."""
+        # Only a limiter with a Redis syncs (count() and state() check).
+        assert self.redis is not None
         if not self.sync_lock.acquire(blocking=False):
             return
         try:
@@ -270,7 +284,11 @@ class RateLimiter:
                     if tally.mine > tally.synced or 2 * tally.count >= tally.limit.amount
                 ]
             try:
-                answers = self.ask(batch) if batch else self.redis.ping() and []
+                if batch:
+                    answers = self.ask(batch)
+                else:  # nothing to tell: only whether Redis answers (ping raises if not)
+                    self.redis.ping()
+                    answers = []
             except redis.RedisError as error:
                 self.lost_contact(error, started)
                 return
@@ -288,11 +306,14 @@ class RateLimiter:
         finally:
             self.sync_lock.release()
 
-    def ask(self, batch) -> list:
-        args = [self.worker]
+    def ask(self, batch: list[tuple[Tally, int, bool]]) -> list[list[int]]:
+        args: list[str | int] = [self.worker]
         for tally, mine, news in batch:
             args += (mine if news else 0, tally.limit.get_expiry() * 1000)
-        return self.script(keys=[tally.storage_key for tally, _, _ in batch], args=args)
+        totals: list[list[int]] = self.script(
+            keys=[tally.storage_key for tally, _, _ in batch], args=args
+        )
+        return totals
 
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
@@ -333,7 +354,7 @@ class RateLimiter:
         return UNREACHABLE if self.degraded_since is not None else SHARED
 
 
-def window_end(_key, tally: Tally, _now: float) -> float:
+def window_end(_key: tuple[str, RateLimitItem], tally: Tally, _now: float) -> float:
     return tally.end
 
 
@@ -346,20 +367,21 @@ def count_request(limiter: RateLimiter, budget: str, limit: str | None) -> Windo
     return window
 
 
-def init_rate_limits(app) -> RateLimiter:
+def init_rate_limits(app: Flask) -> RateLimiter:
     """Make the app's limiter: one per app, as each app has its own storage."""
-    limiter = app.extensions["animal_store_rate_limits"] = RateLimiter(app.config, app.logger)
+    limiter = app.extensions["animal_store_rate_limits"] = RateLimiter(settings(app), app.logger)
     return limiter
 
 
-def counting(app) -> str:
+def counting(app: Flask) -> str:
     """Say how the limits are counted now: shared, per process, storage unreachable, or off."""
-    return app.extensions["animal_store_rate_limits"].state()
+    limiter: RateLimiter = app.extensions["animal_store_rate_limits"]
+    return limiter.state()
 
 
-def warn_if_counted_apart(app, workers: int) -> None:
+def warn_if_counted_apart(app: Flask, workers: int) -> None:
     """Say at a worker's boot that the configured limit cannot hold: its counts are its own."""
-    limiter = app.extensions["animal_store_rate_limits"]
+    limiter: RateLimiter = app.extensions["animal_store_rate_limits"]
     if workers > 1 and limiter.enabled and limiter.redis is None:
         app.logger.warning(
             "Rate limits are counted in each worker's memory (RATELIMIT_STORAGE_URI=memory://): "
