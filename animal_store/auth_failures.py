@@ -25,12 +25,19 @@ made, and a revoked key never becomes valid again.
 
 import ipaddress
 import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from cachetools import TTLCache
-from flask import request
+from flask import Flask, request
 
 from animal_store import errors
+from animal_store.extensions import settings
 from animal_store.rate_limits import REFUSALS, RateLimiter
+
+if TYPE_CHECKING:
+    # Only for the checker: settings_schema imports the API layer, which imports this module.
+    from animal_store.settings_schema import Settings
 
 # Hashes of the keys a worker's look-ups found valid, kept this long (a day) and at most this
 # many, least recently used dropped first: a valid key is let through to its look-up from an
@@ -43,15 +50,17 @@ class AuthFailures:
     """An app's count of failed key checks by client address, and what each worker remembers of
     the keys it looked up."""
 
-    def __init__(self, config, limiter: RateLimiter):
+    def __init__(self, config: "Settings", limiter: RateLimiter) -> None:
         self.limiter = limiter
-        self.limit = config["AUTH_FAILURE_LIMIT"]
-        self.exempt = exempt_networks(config["AUTH_FAILURE_EXEMPT"])
-        self.known_valid = TTLCache(KNOWN_VALID_KEYS, ttl=KNOWN_VALID_SECONDS)
-        miss_seconds = config["KEY_MISS_CACHE_SECONDS"]
-        self.misses = None
-        if miss_seconds > 0 and config["KEY_MISS_CACHE_SIZE"] > 0:
-            self.misses = TTLCache(config["KEY_MISS_CACHE_SIZE"], ttl=miss_seconds)
+        self.limit = config.AUTH_FAILURE_LIMIT
+        self.exempt = exempt_networks(config.AUTH_FAILURE_EXEMPT)
+        self.known_valid: TTLCache[bytes, bool] = TTLCache(
+            KNOWN_VALID_KEYS, ttl=KNOWN_VALID_SECONDS
+        )
+        miss_seconds = config.KEY_MISS_CACHE_SECONDS
+        self.misses: TTLCache[bytes, bool] | None = None
+        if miss_seconds > 0 and config.KEY_MISS_CACHE_SIZE > 0:
+            self.misses = TTLCache(config.KEY_MISS_CACHE_SIZE, ttl=miss_seconds)
         # TTLCache is not thread-safe, and the development server serves on threads.
         self.lock = threading.Lock()
 
@@ -103,12 +112,17 @@ class AuthFailures:
             return key_hash in self.misses
 
 
-def exempt_networks(entries) -> tuple:
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def exempt_networks(entries: Iterable[str]) -> tuple[Network, ...]:
     """Parse AUTH_FAILURE_EXEMPT once: addresses and networks ("192.0.2.7", "10.0.0.0/8")."""
     return tuple(ipaddress.ip_network(entry, strict=False) for entry in entries)
 
 
-def is_exempt(address: str | None, networks: tuple) -> bool:
+def is_exempt(address: str | None, networks: tuple[Network, ...]) -> bool:
+    if address is None:  # a server that gives no peer address: as ip_address(None), no match
+        return False
     try:
         parsed = ipaddress.ip_address(address)
     except ValueError:
@@ -116,7 +130,8 @@ def is_exempt(address: str | None, networks: tuple) -> bool:
     return any(parsed in network for network in networks)
 
 
-def init_auth_failures(app, limiter: RateLimiter) -> AuthFailures:
+def init_auth_failures(app: Flask, limiter: RateLimiter) -> AuthFailures:
     """Count the app's failed key checks in its rate limiter; auth.authenticate consults it."""
-    failures = app.extensions["animal_store_auth_failures"] = AuthFailures(app.config, limiter)
+    failures = AuthFailures(settings(app), limiter)
+    app.extensions["animal_store_auth_failures"] = failures
     return failures
