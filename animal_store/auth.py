@@ -11,7 +11,7 @@ from flask import current_app, g, request
 
 from animal_store import errors, store
 from animal_store.auth_failures import AuthFailures
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.models import ApiKey
 
 # What a key may do: `read` lists and gets animals, `write` creates them (api.SCOPE_OF_METHOD).
@@ -90,9 +90,9 @@ class KeyCache:
     because TTLCache is not thread-safe and a worker may serve requests on several threads.
     """
 
-    def __init__(self, ttl: float, size: int):
+    def __init__(self, ttl: float, size: int) -> None:
         self.enabled = ttl > 0 and size > 0
-        self.entries = TTLCache(maxsize=max(size, 1), ttl=max(ttl, 0))
+        self.entries: TTLCache[bytes, CachedKey] = TTLCache(maxsize=max(size, 1), ttl=max(ttl, 0))
         self.lock = threading.Lock()
 
     def get(self, key_hash: bytes) -> CachedKey | None:
@@ -107,11 +107,11 @@ class KeyCache:
 
 def key_cache() -> KeyCache:
     """Return this app's key cache, made on first use so each process (worker) has its own."""
-    cache = current_app.extensions.get("animal_store_key_cache")
+    cache: KeyCache | None = current_app.extensions.get("animal_store_key_cache")
     if cache is None:
+        config = settings(current_app)
         cache = current_app.extensions.setdefault(
-            "animal_store_key_cache",
-            KeyCache(current_app.config["KEY_CACHE_SECONDS"], current_app.config["KEY_CACHE_SIZE"]),
+            "animal_store_key_cache", KeyCache(config.KEY_CACHE_SECONDS, config.KEY_CACHE_SIZE)
         )
     return cache
 
@@ -202,7 +202,7 @@ def look_up_key(key_hash: bytes) -> CachedKey | None:
 
 def record_use(entry: CachedKey, now: datetime) -> None:
     """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds."""
-    resolution = timedelta(seconds=current_app.config["KEY_LAST_USED_RESOLUTION"])
+    resolution = timedelta(seconds=settings(current_app).KEY_LAST_USED_RESOLUTION)
     if entry.last_used_at is not None and now - entry.last_used_at < resolution:
         return
     store.record_key_use(entry.id, now, resolution)
