@@ -4,22 +4,29 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any, TextIO, cast
 
 import orjson
-from flask import g, request
+from flask import Flask, Request, Response, g, request
+from flask.ctx import _AppCtxGlobals
 from flask.logging import default_handler
+from werkzeug.local import LocalProxy
 
+from animal_store.extensions import settings
 from animal_store.request_id import current_request_id
 
 # The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
 REQUESTS = logging.getLogger("animal_store.request")
 
 
-def json_line(created: float, level: str, logger: str, message: str, fields: dict) -> str:
+def json_line(
+    created: float, level: str, logger: str, message: str, fields: Mapping[str, Any]
+) -> str:
     """Return one log line: a JSON object with the time, level, logger, message, the request ID
     of the request being served, and `fields`."""
-    line = {
+    line: dict[str, Any] = {
         "time": datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds"),
         "level": level,
         "logger": logger,
@@ -35,25 +42,25 @@ def json_line(created: float, level: str, logger: str, message: str, fields: dic
 class JsonFormatter(logging.Formatter):
     """Format a record as one JSON object on one line; gunicorn's logconfig uses it too."""
 
-    def format(self, record):
+    def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", {})
         if record.exc_info:
             fields = {**fields, "exception": self.formatException(record.exc_info)}
         return json_line(record.created, record.levelname, record.name, record.getMessage(), fields)
 
 
-class StdoutHandler(logging.StreamHandler):
+class StdoutHandler(logging.StreamHandler[TextIO]):
     """Write to sys.stdout as it is at each record, so redirected output receives the lines."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(sys.stdout)
 
     @property
-    def stream(self):
+    def stream(self) -> TextIO:
         return sys.stdout
 
     @stream.setter
-    def stream(self, _value):
+    def stream(self, _value: TextIO) -> None:
         pass
 
 
@@ -72,11 +79,11 @@ class DevelopmentServerFormatter(logging.Formatter):
     """The development server's own lines, as Werkzeug writes them but without colour codes,
     which a file or a pager shows as noise."""
 
-    def format(self, record):
+    def format(self, record: logging.LogRecord) -> str:
         return ANSI_STYLE.sub("", super().format(record))
 
 
-def not_a_request_line(record) -> bool:
+def not_a_request_line(record: logging.LogRecord) -> bool:
     # The app writes its own line per request, with the request ID: Werkzeug's would be a second.
     return not (isinstance(record.msg, str) and record.msg.endswith(WERKZEUG_REQUEST_LINE))
 
@@ -88,13 +95,13 @@ DEVELOPMENT_SERVER.setFormatter(DevelopmentServerFormatter())
 DEVELOPMENT_SERVER.addFilter(not_a_request_line)
 
 
-def configure_logging(app) -> None:
+def configure_logging(app: Flask) -> None:
     """Send the app's log records to stdout as JSON lines at LOG_LEVEL."""
     logger = logging.getLogger(app.name)
     logger.removeHandler(default_handler)
     if STDOUT not in logger.handlers:
         logger.addHandler(STDOUT)
-    logger.setLevel(app.config["LOG_LEVEL"])
+    logger.setLevel(settings(app).LOG_LEVEL)
     # The one handler above writes each line; the root logger (gunicorn's) would write it twice.
     logger.propagate = False
     development_server = logging.getLogger("werkzeug")
@@ -109,7 +116,7 @@ def start_timer() -> None:
     g.request_started = time.perf_counter()
 
 
-def log_request(response) -> None:
+def log_request(response: Response) -> None:
     """Write the request's line, the app's access log (at INFO)."""
     if not REQUESTS.isEnabledFor(logging.INFO):
         return
@@ -133,6 +140,7 @@ def only_stdout_listens() -> bool:
         REQUESTS.propagate
         and not REQUESTS.handlers
         and not REQUESTS.filters
+        and app_logger is not None
         and app_logger.handlers == [STDOUT]
         and not app_logger.filters
         and not app_logger.propagate
@@ -141,9 +149,11 @@ def only_stdout_listens() -> bool:
     )
 
 
-def request_fields(response) -> dict:
-    # The request and g looked up once each, not through their proxies at every field.
-    served, context = request._get_current_object(), g._get_current_object()
+def request_fields(response: Response) -> dict[str, Any]:
+    # The request and g looked up once each, not through their proxies at every field (Flask
+    # types them as what they stand for, not as the proxies they are).
+    served = cast("LocalProxy[Request]", request)._get_current_object()
+    context = cast("LocalProxy[_AppCtxGlobals]", g)._get_current_object()
     started = context.get("request_started")
     api_key = context.get("api_key")
     fields = {
