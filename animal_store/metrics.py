@@ -12,9 +12,11 @@ key, its prefix or a client address.
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol, cast
 
-from flask import Response, g, request
+from flask import Flask, Response, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -25,7 +27,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from animal_store.extensions import db
 
@@ -62,7 +64,14 @@ POOL = Gauge(
 )
 
 
-def operation_label(endpoint: str, view) -> str:
+class ConnectionCounts(Protocol):
+    """What SQLite's and PostgreSQL's pools (QueuePool) tell of their connections."""
+
+    def checkedout(self) -> int: ...
+    def checkedin(self) -> int: ...
+
+
+def operation_label(endpoint: str, view: Callable[..., Any]) -> str:
     operation_id = getattr(view, "_apidoc", {}).get("manual_doc", {}).get("operationId")
     return operation_id or endpoint.rsplit(".", 1)[-1]
 
@@ -70,21 +79,25 @@ def operation_label(endpoint: str, view) -> str:
 class RequestMetrics:
     """Each request's figures: begin() before its view, observe() on its answer (hooks.py)."""
 
-    def __init__(self, app):
-        self.operations = {e: operation_label(e, view) for e, view in app.view_functions.items()}
+    def __init__(self, app: Flask) -> None:
+        # By endpoint; a request no route matched has none (None), and is "unmatched".
+        self.operations: dict[str | None, str] = {
+            e: operation_label(e, view) for e, view in app.view_functions.items()
+        }
         with app.app_context():
-            self.pool = db.engine.pool
+            pool = db.engine.pool
         # SQLite's and PostgreSQL's pools count their connections; a NullPool would not.
-        self.counts_connections = hasattr(self.pool, "checkedout")
+        self.counts_connections = hasattr(pool, "checkedout")
+        self.pool = cast("ConnectionCounts", pool)  # read only when it counts them
         # Each request's series, looked up once: labels() costs more than the increment itself.
-        self.series = {}
-        self.pool_seen = None
+        self.series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        self.pool_seen: tuple[int, int] | None = None
 
     def begin(self) -> None:
         IN_PROGRESS.inc()
         g.metrics_in_progress = True
 
-    def observe(self, response) -> None:
+    def observe(self, response: Response) -> None:
         elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
         if request.method == "OPTIONS":
             operation = "preflight"
@@ -115,13 +128,13 @@ class RequestMetrics:
                 POOL.labels("idle").set(connections[1])
 
 
-def init_metrics(app) -> RequestMetrics:
+def init_metrics(app: Flask) -> RequestMetrics:
     """Serve /metrics and return what counts every request of the app; after every route is
     registered, which it labels by."""
     app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
 
     @app.teardown_request
-    def end_in_progress(_error=None):
+    def end_in_progress(_error: BaseException | None = None) -> None:
         # In teardown, which runs whatever happened, so the gauge never drifts upward.
         if g.pop("metrics_in_progress", False):
             IN_PROGRESS.dec()
@@ -129,7 +142,7 @@ def init_metrics(app) -> RequestMetrics:
     return RequestMetrics(app)
 
 
-def serve_metrics():
+def serve_metrics() -> Response:
     """The figures in Prometheus' text format: summed over the workers under gunicorn."""
     if MULTIPROCESS:
         registry = CollectorRegistry()
@@ -144,7 +157,7 @@ class InstanceProcesses:
     """process_* figures of the whole gunicorn instance, its master and workers summed, which
     prometheus_client's own process collector cannot give in multiprocess mode."""
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         master = os.getppid()
         pids = [master, *children(master)]
         cpu = memory = fds = 0.0
