@@ -31,14 +31,22 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as WaitTimedOut
+from typing import TYPE_CHECKING, Any, cast
 
-from flask import g, has_app_context
+from flask import Flask, g, has_app_context
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Dialect
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
+
+if TYPE_CHECKING:
+    import psycopg
 
 # Seconds after a deadline passed during which the process answers 503 without trying.
 RETRY_INTERVAL = 1.0
@@ -58,8 +66,8 @@ class Backoff:
     """An engine's last missed deadline: until RETRY_INTERVAL has passed, or a connection has
     answered, its requests are answered 503 without trying."""
 
-    def __init__(self):
-        self.missed_at = None
+    def __init__(self) -> None:
+        self.missed_at: float | None = None
 
     def miss(self) -> None:
         self.missed_at = time.monotonic()
@@ -75,18 +83,24 @@ class Backoff:
 class Watchdog:
     """The connections requests hold, each with its deadline, and the thread that cuts them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         # Connection record -> (DBAPI connection, deadline, the Backoff a miss counts toward:
         # None for a probe).
-        self.held = {}
+        self.held: dict[ConnectionPoolEntry, tuple[DBAPIConnection, float, Backoff | None]] = {}
         # When the thread wakes next; None: it sleeps until a connection is held.
-        self.alarm = None
-        self.thread = None
-        self.connecting = None
+        self.alarm: float | None = None
+        self.thread: threading.Thread | None = None
+        self.connecting: ThreadPoolExecutor | None = None
 
-    def hold(self, record, connection, deadline: float, backoff: Backoff | None) -> None:
+    def hold(
+        self,
+        record: ConnectionPoolEntry,
+        connection: DBAPIConnection,
+        deadline: float,
+        backoff: Backoff | None,
+    ) -> None:
         with self.lock:
             self.held[record] = (connection, deadline, backoff)
             if self.alarm is None or deadline < self.alarm:
@@ -99,7 +113,7 @@ class Watchdog:
                 else:
                     self.wake.notify()
 
-    def release(self, record) -> None:
+    def release(self, record: ConnectionPoolEntry) -> None:
         # Never wakes the thread: it finds the connection gone when its alarm rings.
         with self.lock:
             self.held.pop(record, None)
@@ -119,7 +133,9 @@ class Watchdog:
                     self.alarm = min((entry[1] for entry in self.held.values()), default=None)
                 self.wake.wait(None if self.alarm is None else self.alarm - now)
 
-    def connect_within(self, connect, seconds: float, backoff: Backoff | None):
+    def connect_within(
+        self, connect: Callable[[], DBAPIConnection], seconds: float, backoff: Backoff | None
+    ) -> DBAPIConnection:
         """Return connect()'s connection, or raise DeadlinePassed after `seconds`."""
         with self.lock:
             if self.connecting is None:
@@ -135,19 +151,20 @@ class Watchdog:
             raise DeadlinePassed("No database connection within the request's deadline") from None
 
 
-def cut(connection) -> None:
+def cut(connection: DBAPIConnection) -> None:
     """Shut down the socket of a psycopg connection, from any thread.
 
     shutdown(), not close(): the descriptor stays libpq's, which notices the dead socket and fails
     the call it is blocked in, closing the descriptor itself. On a duplicate, so that closing our
     socket object leaves libpq's descriptor alone."""
     with contextlib.suppress(Exception):  # already closed, or broken some other way
-        duplicate = socket.socket(fileno=os.dup(connection.pgconn.socket))
+        pgconn = cast("psycopg.Connection[Any]", connection).pgconn  # PostgreSQL's alone
+        duplicate = socket.socket(fileno=os.dup(pgconn.socket))
         with duplicate:
             duplicate.shutdown(socket.SHUT_RDWR)
 
 
-def close_late_connection(attempt) -> None:
+def close_late_connection(attempt: Future[DBAPIConnection]) -> None:
     if attempt.exception() is None:
         with contextlib.suppress(Exception):
             attempt.result().close()
@@ -193,20 +210,25 @@ def shorten_deadline(seconds: float) -> None:
     g.database_probe = True
 
 
-def init_deadlines(app) -> tuple:
+def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     """Watch the app's PostgreSQL connections; return the steps that start each request's
     deadline (hooks.py): none on SQLite, which needs none (docs/operations.rst)."""
     with app.app_context():
         engine = db.engine
     if engine.dialect.name != "postgresql":
         return ()
-    seconds = app.config["DATABASE_DEADLINE"]
-    connect_timeout = app.config["DATABASE_CONNECT_TIMEOUT"]
+    seconds = settings(app).DATABASE_DEADLINE
+    connect_timeout = settings(app).DATABASE_CONNECT_TIMEOUT
     dialect = engine.dialect
     backoff = Backoff()
 
     @event.listens_for(engine, "do_connect")
-    def connect_within_deadline(_dialect, record, cargs, cparams):
+    def connect_within_deadline(
+        _dialect: Dialect,
+        record: ConnectionPoolEntry,
+        cargs: tuple[Any, ...],
+        cparams: dict[str, Any],
+    ) -> DBAPIConnection | None:
         deadline = request_deadline(backoff)
         if deadline is None:
             return None  # SQLAlchemy connects, within libpq's connect_timeout
@@ -220,11 +242,13 @@ def init_deadlines(app) -> tuple:
         return connection
 
     @event.listens_for(engine, "connect")
-    def fresh(_connection, record):
+    def fresh(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
         record.info["fresh"] = True
 
     @event.listens_for(engine, "checkout")
-    def watch_and_ping(connection, record, _proxy):
+    def watch_and_ping(
+        connection: DBAPIConnection, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+    ) -> None:
         deadline = request_deadline(backoff)
         if deadline is not None:
             WATCHDOG.hold(record, connection, *deadline)
@@ -240,7 +264,7 @@ def init_deadlines(app) -> tuple:
         backoff.clear()
 
     @event.listens_for(engine, "checkin")
-    def unwatch(_connection, record):
+    def unwatch(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
         WATCHDOG.release(record)
 
     def start_deadline() -> None:
