@@ -8,7 +8,9 @@ service never reads, so the line on stderr says so before anything is done.
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import click
 from alembic.runtime.migration import MigrationContext
@@ -17,6 +19,9 @@ from flask import current_app
 from sqlalchemy.exc import DBAPIError
 
 from animal_store.extensions import db
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
 
 
 def upgrade_command() -> str:
@@ -38,8 +43,8 @@ def current_revision() -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
-def head_revision() -> str:
-    """Return the newest migration this code has."""
+def head_revision() -> str | None:
+    """Return the newest migration this code has (None for code without any)."""
     return ScriptDirectory(current_app.extensions["migrate"].directory).get_current_head()
 
 
@@ -73,13 +78,15 @@ def require_schema() -> None:
     )
 
 
-def uses_database(schema: bool = True):
+def uses_database(
+    schema: bool = True,
+) -> Callable[[Callable[Params, Result]], Callable[Params, Result]]:
     """Make a command say which database it uses, on stderr, and with `schema`, refuse one
     without this code's schema before it runs."""
 
-    def decorate(command):
+    def decorate(command: Callable[Params, Result]) -> Callable[Params, Result]:
         @functools.wraps(command)
-        def run(*args, **kwargs):
+        def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
             click.echo(f"Database: {describe_database()}", err=True)
             if schema:
                 require_schema()
