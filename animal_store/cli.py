@@ -16,7 +16,7 @@ from animal_store import errors, rate_limits
 from animal_store.auth import SCOPES, issue_key, rotate_key
 from animal_store.backup import backup_command, restore_command
 from animal_store.database import uses_database
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
@@ -215,7 +215,7 @@ def print_error_table():
 @errors_cli.command("nginx")
 def print_nginx_errors():
     """Print the error bodies nginx answers with, for config/nginx.conf."""
-    click.echo(errors.nginx_error_locations(current_app.config))
+    click.echo(errors.nginx_error_locations(settings(current_app)))
 
 
 @click.command("quickstart")

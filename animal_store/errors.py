@@ -6,17 +6,26 @@ error responses, the error responses of the OpenAPI document, the error table of
 gunicorn's answers to requests it cannot parse and nginx's error bodies (`flask nginx-errors`).
 """
 
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
-from flask import current_app, request
+from flask import Flask, Response, current_app, request
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAllowed
 
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.schemas import ErrorSchema
+
+if TYPE_CHECKING:
+    # Only for the checker: settings_schema imports the API layer, which imports this module.
+    from animal_store.settings_schema import Settings
+
+# An error's answer, as Flask takes it from a handler: the body, the status and the headers.
+ErrorAnswer = tuple[Response, int, Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -32,14 +41,25 @@ class ErrorKind:
     # Response headers it always carries (documented; set where it is raised).
     headers: tuple[str, ...] = ()
 
-    def __call__(self, errors=None, headers=None, **values) -> "APIError":
+    def __call__(
+        self,
+        errors: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        **values: object,
+    ) -> "APIError":
         return APIError(self, self.message.format(**values), errors, headers)
 
 
 class APIError(Exception):
     """An error the API answers on purpose: a kind of the catalogue with its message filled in."""
 
-    def __init__(self, kind: ErrorKind, message: str, errors=None, headers=None):
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        errors: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
@@ -268,24 +288,38 @@ KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
 error_schema = ErrorSchema()
 
 
-def error_body(kind: ErrorKind, message: str | None = None, errors=None) -> dict:
+def error_body(
+    kind: ErrorKind, message: str | None = None, errors: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The error object, put together here only: for the app's answers, gunicorn's and nginx's."""
-    body = {"code": kind.code, "message": message or kind.message, "status": kind.status}
+    body: dict[str, Any] = {
+        "code": kind.code,
+        "message": message or kind.message,
+        "status": kind.status,
+    }
     if errors:
         body["errors"] = errors
-    return error_schema.dump(body)
+    dumped: dict[str, Any] = error_schema.dump(body)
+    return dumped
 
 
-def error_response(kind: ErrorKind, message=None, errors=None, headers=None):
+def error_response(
+    kind: ErrorKind,
+    message: str | None = None,
+    errors: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> ErrorAnswer:
     body = error_body(kind, message, errors)
-    return current_app.json.response(body), kind.status, headers or {}
+    # Flask's JSON provider answers with its app's response class: Flask's own Response here.
+    response = cast(Response, current_app.json.response(body))
+    return response, kind.status, headers or {}
 
 
-def handle_api_error(error: APIError):
+def handle_api_error(error: APIError) -> ErrorAnswer:
     return error_response(error.kind, error.message, error.errors, error.headers)
 
 
-def handle_http_exception(error: HTTPException):
+def handle_http_exception(error: HTTPException) -> ErrorAnswer:
     if isinstance(error, InternalServerError):
         return handle_unexpected_error(error.original_exception or error)
     headers = {name: value for name, value in error.get_headers() if name in KEPT_HEADERS}
@@ -293,9 +327,11 @@ def handle_http_exception(error: HTTPException):
         # Werkzeug lists them in the routing's order, which varies: the header and the message
         # say them alike.
         headers["Allow"] = allowed_methods(error)
-    kind = KIND_OF_STATUS.get(error.code)
+    # Flask hands a handler only exceptions with a status: it answers a proxy's itself.
+    status = cast(int, error.code)
+    kind = KIND_OF_STATUS.get(status)
     if kind is None:
-        kind = ErrorKind(error.code, error.name.lower().replace(" ", "_"), error.name, "")
+        kind = ErrorKind(status, error.name.lower().replace(" ", "_"), error.name, "")
     return error_response(kind, http_error_message(kind, error), headers=headers)
 
 
@@ -309,18 +345,19 @@ def http_error_message(kind: ErrorKind, error: HTTPException) -> str:
     if kind is TOO_MANY_REQUESTS:
         return kind.message.format(limit=error.description)
     if kind is PAYLOAD_TOO_LARGE:
-        return kind.message.format(limit=current_app.config["MAX_CONTENT_LENGTH"])
+        return kind.message.format(limit=settings(current_app).MAX_CONTENT_LENGTH)
     if kind is BAD_REQUEST:
         # Werkzeug's own 400s (a client that disconnected mid-body) say what happened.
         return error.description or kind.message
     return kind.message
 
 
-def allowed_methods(error: MethodNotAllowed) -> str:
-    return ", ".join(sorted(error.valid_methods or ()))
+def allowed_methods(error: HTTPException) -> str:
+    # Werkzeug's MethodNotAllowed lists them; another exception with its status lists none.
+    return ", ".join(sorted(getattr(error, "valid_methods", None) or ()))
 
 
-def handle_unexpected_error(error: Exception):
+def handle_unexpected_error(error: BaseException) -> ErrorAnswer:
     if is_database_outage(error):
         return handle_database_outage(error)
     # The traceback goes to the log, never to the client; the next request gets a clean session.
@@ -329,7 +366,7 @@ def handle_unexpected_error(error: Exception):
     return error_response(INTERNAL_ERROR)
 
 
-def is_database_outage(error: Exception) -> bool:
+def is_database_outage(error: BaseException) -> bool:
     """Tell a database that cannot be reached or written from a bug in our SQL."""
     if isinstance(error, sa_exc.DisconnectionError | sa_exc.TimeoutError):
         return True  # the pool gave up reconnecting, or every connection stayed busy
@@ -342,7 +379,7 @@ def is_database_outage(error: Exception) -> bool:
     return True
 
 
-def handle_database_outage(error: Exception):
+def handle_database_outage(error: BaseException) -> ErrorAnswer:
     # One line, not a traceback per request while the database is away; the driver's message
     # without the statement's parameters, which may hold what clients sent.
     cause = getattr(error, "orig", None) or error
@@ -358,7 +395,7 @@ def handle_database_outage(error: Exception):
 def database_unavailable() -> APIError:
     """The one answer for a database that cannot be reached or written, /readyz's included."""
     return DATABASE_UNAVAILABLE(
-        headers={"Retry-After": str(current_app.config["DATABASE_RETRY_AFTER"])}
+        headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)}
     )
 
 
@@ -381,12 +418,12 @@ def raw_error_response(status: int) -> bytes:
     return head.encode("latin-1") + body
 
 
-def handle_malformed_body(error: Exception):
+def handle_malformed_body(error: Exception) -> ErrorAnswer:
     # gunicorn parses a chunked body only as the app reads it, so its complaint surfaces here.
     return handle_api_error(MALFORMED_BODY(reason=error))
 
 
-def register_error_handlers(app):
+def register_error_handlers(app: Flask) -> None:
     # Optional, so the app imports (and serves under any WSGI server) without gunicorn.
     with suppress(ImportError):
         from gunicorn.http.errors import ParseException
@@ -406,19 +443,19 @@ NGINX_KINDS = {**KIND_OF_STATUS, 429: TOO_MANY_CONNECTIONS}
 NGINX_RETRY_AFTER = {429: 1}
 
 
-def nginx_error_locations(config) -> str:
+def nginx_error_locations(config: "Settings") -> str:
     """Return config/nginx.conf's error bodies, the catalogue's, as its `location` blocks."""
     blocks = []
     for status in NGINX_ANSWERS:
         kind = NGINX_KINDS[status]
-        message = kind.message.format(limit=config["MAX_CONTENT_LENGTH"])
+        message = kind.message.format(limit=config.MAX_CONTENT_LENGTH)
         body = orjson.dumps(error_body(kind, message)).decode()
         lines = [f"        location = /errors/{status}.json {{"]
         if kind.headers:
             # An add_header here replaces the outer ones, so X-Request-ID and nosniff are repeated.
             lines.append("            add_header X-Request-ID $animal_store_request_id always;")
             lines.append("            add_header X-Content-Type-Options nosniff always;")
-            retry_after = NGINX_RETRY_AFTER.get(status, config["DATABASE_RETRY_AFTER"])
+            retry_after = NGINX_RETRY_AFTER.get(status, config.DATABASE_RETRY_AFTER)
             lines.append(f"            add_header Retry-After {retry_after} always;")
         lines += [f"            return {status} '{body}';", "        }"]
         blocks.append("\n".join(lines))
