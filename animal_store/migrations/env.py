@@ -4,22 +4,26 @@ import logging
 from logging.config import fileConfig
 
 from alembic import context
+from alembic.operations.ops import MigrationScript
+from alembic.runtime.migration import MigrationContext
 from flask import current_app
+from flask_sqlalchemy import SQLAlchemy
 
 from animal_store.database import describe_database
 
 config = context.config
 # Keep the loggers the app (or the test run) configured before the migration started.
-fileConfig(config.config_file_name, disable_existing_loggers=False)
+if config.config_file_name is not None:  # Flask-Migrate's alembic.ini, always there
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
 logger = logging.getLogger("alembic.env")
 
-db = current_app.extensions["migrate"].db
+db: SQLAlchemy = current_app.extensions["migrate"].db
 config.set_main_option(
     "sqlalchemy.url", db.engine.url.render_as_string(hide_password=False).replace("%", "%%")
 )
 
 
-def run_migrations_offline():
+def run_migrations_offline() -> None:
     """Print the SQL for the migrations instead of running it."""
     context.configure(
         url=config.get_main_option("sqlalchemy.url"),
@@ -30,9 +34,17 @@ def run_migrations_offline():
         context.run_migrations()
 
 
-def run_migrations_online():
-    def skip_empty_autogenerate(context_, revision, directives):
-        if getattr(config.cmd_opts, "autogenerate", False) and directives[0].upgrade_ops.is_empty():
+def run_migrations_online() -> None:
+    def skip_empty_autogenerate(
+        context_: MigrationContext, revision: object, directives: list[MigrationScript]
+    ) -> None:
+        # One database: its changes are in upgrade_ops (upgrade_ops_list is for several).
+        changes = directives[0].upgrade_ops
+        if (
+            getattr(config.cmd_opts, "autogenerate", False)
+            and changes is not None
+            and changes.is_empty()
+        ):
             directives[:] = []
             logger.info("No changes in schema detected.")
 

@@ -16,7 +16,7 @@ depends_on = None
 int64_id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
-def upgrade():
+def upgrade() -> None:
     op.create_table(
         "pets",
         sa.Column("id", int64_id, sa.Identity(always=False), primary_key=True),
@@ -47,6 +47,6 @@ def upgrade():
     )
 
 
-def downgrade():
+def downgrade() -> None:
     op.drop_table("api_keys")
     op.drop_table("pets")

@@ -15,7 +15,7 @@ depends_on = None
 int64_id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
-def upgrade():
+def upgrade() -> None:
     op.create_index("ix_pets_status_id", "pets", ["status", "id"])
     op.create_table(
         "idempotency_records",
@@ -39,7 +39,7 @@ def upgrade():
     op.create_index("ix_idempotency_records_expires_at", "idempotency_records", ["expires_at"])
 
 
-def downgrade():
+def downgrade() -> None:
     op.drop_index("ix_idempotency_records_expires_at", table_name="idempotency_records")
     op.drop_table("idempotency_records")
     op.drop_index("ix_pets_status_id", table_name="pets")

@@ -13,12 +13,12 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade():
+def upgrade() -> None:
     # NULL: the key has the service's RATE_LIMIT, as every existing key keeps.
     with op.batch_alter_table("api_keys") as batch:
         batch.add_column(sa.Column("rate_limit", sa.String(100), nullable=True))
 
 
-def downgrade():
+def downgrade() -> None:
     with op.batch_alter_table("api_keys") as batch:
         batch.drop_column("rate_limit")

@@ -13,7 +13,7 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade():
+def upgrade() -> None:
     with op.batch_alter_table("api_keys") as batch:
         # Existing keys keep full access.
         batch.add_column(
@@ -28,7 +28,7 @@ def upgrade():
         batch.create_unique_constraint("uq_api_keys_previous_key_hash", ["previous_key_hash"])
 
 
-def downgrade():
+def downgrade() -> None:
     with op.batch_alter_table("api_keys") as batch:
         batch.drop_constraint("uq_api_keys_previous_key_hash", type_="unique")
         for column in (

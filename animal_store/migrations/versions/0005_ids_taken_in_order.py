@@ -22,7 +22,7 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade():
+def upgrade() -> None:
     with op.batch_alter_table("pets") as batch:
         batch.add_column(
             sa.Column(keyset.ORDER_XID, sa.BigInteger(), nullable=False, server_default="0")
@@ -34,7 +34,7 @@ def upgrade():
             op.execute(statement)
 
 
-def downgrade():
+def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         for statement in keyset.unorder_ids_sql("pets"):
             op.execute(statement)
