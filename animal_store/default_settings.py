@@ -84,7 +84,7 @@ LOG_LEVEL = "INFO"
 # The peer addresses of the proxies whose X-Forwarded-* headers are honoured (proxies.py): none by
 # default, so a client that reaches the app directly cannot choose the host of the URLs it builds
 # or the address it logs. config/production.py and staging.py name nginx on the same machine.
-TRUSTED_PROXIES = []
+TRUSTED_PROXIES: list[str] = []
 # Hops of X-Forwarded-* a trusted proxy's request holds: nginx adds exactly one.
 TRUSTED_PROXY_HOPS = 1
 
@@ -119,7 +119,7 @@ RATELIMIT_STORAGE_OPTIONS = {"socket_connect_timeout": 0.1, "socket_timeout": 0.
 AUTH_FAILURE_LIMIT = "300 per minute"
 # Addresses and networks whose failures are never limited, e.g. ["192.0.2.7", "10.0.0.0/8"]: a
 # gateway many clients share. A malformed entry stops the boot.
-AUTH_FAILURE_EXEMPT = []
+AUTH_FAILURE_EXEMPT: list[str] = []
 # Seconds a worker remembers a key its look-up did not find, refusing it again without a query;
 # a key that became valid after it was tried is refused that long at most (0: never remembered).
 KEY_MISS_CACHE_SECONDS = 5
@@ -128,7 +128,7 @@ KEY_MISS_CACHE_SIZE = 4096
 
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.
 # ANIMAL_STORE_CORS_ORIGINS='["https://shop.example"]'. Empty: no CORS headers at all.
-CORS_ORIGINS = []
+CORS_ORIGINS: list[str] = []
 CORS_METHODS = ["GET", "HEAD", "POST", "OPTIONS"]
 # What a page may send (preflights ask for them) and read of the answers.
 CORS_ALLOW_HEADERS = ["Authorization", "Content-Type", "Idempotency-Key", "If-None-Match"]
