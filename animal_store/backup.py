@@ -31,7 +31,7 @@ from sqlalchemy import Engine, func, select, text
 
 from animal_store import keyset
 from animal_store.database import current_revision, head_revision, upgrade_command, uses_database
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.models import ApiKey, Pet
 
 # `pg_restore --list`: "215; 0 16390 TABLE DATA public pets store".
@@ -66,7 +66,7 @@ def on_sqlite() -> bool:
 @with_appcontext
 @click.argument("destination", type=click.Path(dir_okay=False, path_type=Path))
 @uses_database()
-def backup_command(destination):
+def backup_command(destination: Path) -> None:
     """Copy the live database to DESTINATION, a new file, while the service serves."""
     if not on_sqlite():
         refuse_pgbouncer()
@@ -83,7 +83,7 @@ def backup_command(destination):
 @with_appcontext
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @uses_database(schema=False)
-def restore_command(source):
+def restore_command(source: Path) -> None:
     """Put the backup SOURCE in place of the database. Stop the service first."""
     summary = restore_sqlite(source) if on_sqlite() else restore_postgres(source)
     revision = current_revision()
@@ -100,7 +100,12 @@ def restore_command(source):
 
 
 def sqlite_path() -> Path:
-    return Path(db.engine.url.database).resolve()
+    database = db.engine.url.database
+    if not database:  # sqlite:// is a database in memory, which no command can reach
+        raise click.ClickException(
+            "The database is in memory (sqlite://): it has no file to restore."
+        )
+    return Path(database).resolve()
 
 
 def copy_database(source: Path, destination: Path) -> None:
@@ -171,7 +176,7 @@ def restore_sqlite(source: Path) -> str:
 
 
 def refuse_pgbouncer() -> None:
-    if current_app.config["DATABASE_BEHIND_PGBOUNCER"]:
+    if settings(current_app).DATABASE_BEHIND_PGBOUNCER:
         # pg_dump and pg_restore set session settings (extra_float_digits, search_path, ...)
         # that transaction pooling would apply to whichever server connection came next.
         raise click.ClickException(
@@ -190,7 +195,7 @@ def connection_parameters() -> tuple[dict[str, str], str | None]:
         for name, value in parameters.items()
         if name != "context"  # psycopg's adapters, not libpq's
     }
-    parameters.setdefault("connect_timeout", str(current_app.config["DATABASE_CONNECT_TIMEOUT"]))
+    parameters.setdefault("connect_timeout", str(settings(current_app).DATABASE_CONNECT_TIMEOUT))
     return parameters, parameters.pop("password", None)
 
 
@@ -270,7 +275,7 @@ def backup_postgres(destination: Path) -> str:
     with connection, connection.begin():
         snapshot = connection.scalar(text("SELECT pg_export_snapshot()"))
         animals = connection.scalar(select(func.count()).select_from(Pet))
-        keys = connection.scalar(select(func.count()).select_from(ApiKey))
+        keys = connection.execute(select(func.count()).select_from(ApiKey)).scalar_one()
         revision = connection.scalar(text("SELECT version_num FROM alembic_version"))
         run_tool("pg_dump", "--format=custom", f"--snapshot={snapshot}", f"--file={destination}")
     tables, entries = tables_with_data(destination)
@@ -325,7 +330,7 @@ def restore_postgres(source: Path) -> str:
     after_postgres_restore(db.engine)
     with db.engine.connect() as connection:
         animals = connection.scalar(select(func.count()).select_from(Pet))
-        keys = connection.scalar(select(func.count()).select_from(ApiKey))
+        keys = connection.execute(select(func.count()).select_from(ApiKey)).scalar_one()
     return (
         f"Restored {source} ({entries} entries) to {db.engine.url.render_as_string()}: "
         f"{animals} animals, {api_keys(keys)}."

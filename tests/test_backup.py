@@ -218,6 +218,17 @@ def test_restore_into_a_directory_that_is_gone_says_so(database_url, tmp_path):
 
 
 @on_sqlite
+def test_restore_into_a_database_in_memory_says_so(database_url, tmp_path):
+    assert flask(database_url, "backup", str(tmp_path / "backup.sqlite3")).returncode == 0
+    result = flask("sqlite://", "restore", str(tmp_path / "backup.sqlite3"))
+    assert result.returncode == 1
+    assert "Error: The database is in memory (sqlite://): it has no file to restore." in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+@on_sqlite
 def test_sqlite_backup_is_readable_by_its_owner_only(database_url, tmp_path):
     result = flask(database_url, "backup", str(tmp_path / "backup.sqlite3"))
     assert result.returncode == 0, result.stderr
