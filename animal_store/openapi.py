@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 import flask_swagger_ui
 import orjson
-from flask import Blueprint, current_app, send_from_directory, url_for
+from flask import Blueprint, Response, current_app, send_from_directory, url_for
 from flask.cli import with_appcontext
+from flask_smorest import Api
 
 from animal_store.api import public
 
@@ -32,14 +33,14 @@ bp = Blueprint("openapi", __name__)
 
 @bp.get("/openapi.json")
 @public
-def openapi_json():
+def openapi_json() -> Response:
     """Serve the OpenAPI document."""
     return current_app.response_class(openapi_document(), mimetype="application/json")
 
 
 @bp.get("/docs")
 @public
-def docs():
+def docs() -> Response:
     """Serve the interactive docs page: Swagger UI on the document, nothing from another host."""
     response = send_from_directory(DOCS_DIR, "docs.html")
     response.headers["Content-Security-Policy"] = DOCS_CSP
@@ -48,7 +49,7 @@ def docs():
 
 @bp.get("/docs/")
 @public
-def docs_with_slash():
+def docs_with_slash() -> Response:
     """Send /v1/docs/ to the page, whose links are relative to /v1/docs."""
     # A bare redirect: Werkzeug's redirect() would add an HTML page that says the same.
     response = current_app.response_class(status=308, headers={"Location": url_for(".docs")})
@@ -58,7 +59,7 @@ def docs_with_slash():
 
 @bp.get("/docs/<path:filename>")
 @public
-def docs_file(filename):
+def docs_file(filename: str) -> Response:
     """Serve the docs page's script and style, and Swagger UI's files."""
     directory = DOCS_DIR if (DOCS_DIR / filename).is_file() else SWAGGER_UI_DIR
     return send_from_directory(directory, filename)
@@ -66,9 +67,9 @@ def docs_file(filename):
 
 def openapi_document() -> bytes:
     """Return the app's OpenAPI document as JSON, made on first use."""
-    cache = current_app.extensions.setdefault("openapi", {})
+    cache: dict[str, bytes] = current_app.extensions.setdefault("openapi", {})
     if "document" not in cache:
-        api = current_app.extensions["flask-smorest"]["apis"][""]["ext_obj"]
+        api: Api = current_app.extensions["flask-smorest"]["apis"][""]["ext_obj"]
         document = api.spec.to_dict()
         # flask-smorest lists the layer's blueprint ("v1") as a tag, while the operations carry
         # their resource's ("pets"): the document lists the tags its operations have, so the
@@ -90,6 +91,6 @@ def openapi_document() -> bytes:
 
 @click.command("openapi")
 @with_appcontext
-def print_openapi():
+def print_openapi() -> None:
     """Print the OpenAPI document (JSON), for generating clients."""
     click.echo(orjson.dumps(orjson.loads(openapi_document()), option=orjson.OPT_INDENT_2))
