@@ -4,12 +4,14 @@ first run, and the commands of the other modules."""
 import re
 import socket
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import click
-from flask import current_app
+from flask import Flask, current_app
 from flask.cli import AppGroup, with_appcontext
 from flask_migrate import upgrade
 from sqlalchemy.exc import IntegrityError
+from werkzeug.local import LocalProxy
 from werkzeug.serving import run_simple
 
 from animal_store import errors, rate_limits
@@ -29,7 +31,9 @@ DURATION = re.compile(r"(\d+)([smhd])")
 DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
-def rate_limit_option(context, parameter, value):
+def rate_limit_option(
+    context: click.Context, parameter: click.Parameter, value: str | None
+) -> str | None:
     if value is None or value == DEFAULT_LIMIT:
         return None
     try:
@@ -38,7 +42,9 @@ def rate_limit_option(context, parameter, value):
         raise click.BadParameter(str(error), context, parameter) from None
 
 
-def scopes_option(context, parameter, value):
+def scopes_option(
+    context: click.Context, parameter: click.Parameter, value: str
+) -> tuple[str, ...]:
     scopes = tuple(dict.fromkeys(scope.strip() for scope in value.split(",")))
     if not scopes or not set(scopes) <= set(SCOPES):
         raise click.BadParameter(
@@ -49,7 +55,9 @@ def scopes_option(context, parameter, value):
     return scopes
 
 
-def expires_option(context, parameter, value):
+def expires_option(
+    context: click.Context, parameter: click.Parameter, value: str | None
+) -> datetime | None:
     if value is None:
         return None
     try:
@@ -67,7 +75,7 @@ def expires_option(context, parameter, value):
     return moment.astimezone(UTC)
 
 
-def grace_option(context, parameter, value):
+def grace_option(context: click.Context, parameter: click.Parameter, value: str) -> timedelta:
     match = DURATION.fullmatch(value.strip())
     if match is None:
         raise click.BadParameter(
@@ -96,7 +104,9 @@ def grace_option(context, parameter, value):
     help="Requests this key may make, such as '100/second'; without it, RATE_LIMIT.",
 )
 @uses_database()
-def create_key(name, scopes, expires, rate_limit):
+def create_key(
+    name: str, scopes: tuple[str, ...], expires: datetime | None, rate_limit: str | None
+) -> None:
     """Create an API key called NAME and print it; it is shown only this once."""
     if not 1 <= len(name) <= 100:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
@@ -111,11 +121,11 @@ def create_key(name, scopes, expires, rate_limit):
 
 @keys_cli.command("list")
 @uses_database()
-def list_keys():
+def list_keys() -> None:
     """Show every key's name, visible prefix, scopes, expiry, rate limit, times and state, never
     the key."""
     rows = [("NAME", "PREFIX", "SCOPES", "EXPIRES", "RATE LIMIT", "CREATED", "LAST USED", "STATE")]
-    default_limit = f"{current_app.config['RATE_LIMIT']} (default)"
+    default_limit = f"{settings(current_app).RATE_LIMIT} (default)"
     now = datetime.now(UTC)
     for api_key in db.session.scalars(db.select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)):
         rows.append(
@@ -141,7 +151,7 @@ def list_keys():
 @click.argument("name")
 @click.argument("limit", callback=rate_limit_option)
 @uses_database()
-def set_key_limit(name, limit):
+def set_key_limit(name: str, limit: str | None) -> None:
     """Give the key called NAME its own rate LIMIT ('100/second', '6000 per minute'), or
     'default' for RATE_LIMIT. Every worker applies it within KEY_CACHE_SECONDS."""
     api_key = find_named_key(name)
@@ -150,7 +160,7 @@ def set_key_limit(name, limit):
     if limit:
         click.echo(f"API key {name!r} now has the rate limit {limit}.")
     else:
-        default = current_app.config["RATE_LIMIT"]
+        default = settings(current_app).RATE_LIMIT
         click.echo(f"API key {name!r} now has the default rate limit, {default} (RATE_LIMIT).")
 
 
@@ -164,7 +174,7 @@ def set_key_limit(name, limit):
     help="How long the old key keeps working: 30m, 24h, 7d; 0s ends it now.",
 )
 @uses_database()
-def rotate(name, grace):
+def rotate(name: str, grace: timedelta) -> None:
     """Print a new key for the key called NAME, with its scopes, expiry and rate limit; the old
     key works until the grace ends (within KEY_CACHE_SECONDS in every worker)."""
     api_key = find_named_key(name)
@@ -183,7 +193,7 @@ def rotate(name, grace):
 @keys_cli.command("revoke")
 @click.argument("name")
 @uses_database()
-def revoke_key(name):
+def revoke_key(name: str) -> None:
     """Revoke the key called NAME; requests with it are refused from then on."""
     api_key = find_named_key(name)
     if api_key.revoked_at is not None:
@@ -198,7 +208,7 @@ idempotency_cli = AppGroup("idempotency", help="Look after the stored Idempotenc
 
 @idempotency_cli.command("purge")
 @uses_database()
-def purge_idempotency_keys():
+def purge_idempotency_keys() -> None:
     """Delete the Idempotency-Keys older than IDEMPOTENCY_TTL."""
     click.echo(f"Purged {purge_expired()} expired idempotency keys.")
 
@@ -207,13 +217,13 @@ errors_cli = AppGroup("errors", help="Print the error catalogue for the docs and
 
 
 @errors_cli.command("table")
-def print_error_table():
+def print_error_table() -> None:
     """Print the catalogue as docs/errors.rst's table."""
     click.echo(errors.rst_error_table())
 
 
 @errors_cli.command("nginx")
-def print_nginx_errors():
+def print_nginx_errors() -> None:
     """Print the error bodies nginx answers with, for config/nginx.conf."""
     click.echo(errors.nginx_error_locations(settings(current_app)))
 
@@ -223,7 +233,7 @@ def print_nginx_errors():
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=5000, show_default=True)
 @uses_database(schema=False)
-def quickstart(host, port):
+def quickstart(host: str, port: int) -> None:
     """Create or upgrade the database, make an API key, and run the development server."""
     upgrade()
     name = "quickstart-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -244,8 +254,9 @@ def quickstart(host, port):
             "the key works there; no second server is started."
         )
         return
+    app = cast("LocalProxy[Flask]", current_app)._get_current_object()
     # Threaded: each request runs in its own thread with its own app context.
-    run_simple(host, port, current_app._get_current_object(), threaded=True)
+    run_simple(host, port, app, threaded=True)
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -258,7 +269,7 @@ def port_taken(host: str, port: int) -> bool:
 
 
 def find_named_key(name: str) -> ApiKey:
-    api_key = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
+    api_key: ApiKey | None = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
     if api_key is None:
         raise click.ClickException(f"No key named {name!r}.")
     return api_key
@@ -281,7 +292,7 @@ def format_time(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "never"
 
 
-def register_commands(app):
+def register_commands(app: Flask) -> None:
     app.cli.add_command(keys_cli)
     app.cli.add_command(quickstart)
     app.cli.add_command(seed_command)
