@@ -9,6 +9,7 @@ import dataclasses
 import ipaddress
 import json
 import textwrap
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 
@@ -28,14 +29,14 @@ HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
 
 
-def expecting(field: fields.Field, expected: str) -> fields.Field:
+def expecting(field: fields.Field[Any], expected: str) -> fields.Field[Any]:
     """Say what the field accepts, in the words the boot error and the docs use."""
     field.metadata = {**field.metadata, "expected": expected}
     field.required = True
     return field
 
 
-def integer(at_least: int) -> fields.Field:
+def integer(at_least: int) -> fields.Field[Any]:
     # strict: 1.5 and "5" are refused rather than rounded or parsed.
     return expecting(
         fields.Integer(strict=True, validate=Range(min=at_least)),
@@ -43,7 +44,7 @@ def integer(at_least: int) -> fields.Field:
     )
 
 
-def seconds(at_least: float | None = None, above: float | None = None) -> fields.Field:
+def seconds(at_least: float | None = None, above: float | None = None) -> fields.Field[Any]:
     if above is not None:
         return expecting(
             fields.Float(validate=Range(min=above, min_inclusive=False)),
@@ -54,27 +55,27 @@ def seconds(at_least: float | None = None, above: float | None = None) -> fields
     )
 
 
-def share() -> fields.Field:
+def share() -> fields.Field[Any]:
     return expecting(fields.Float(validate=Range(min=0, max=1)), "a number from 0 to 1")
 
 
-def boolean() -> fields.Field:
+def boolean() -> fields.Field[Any]:
     # Only JSON's true and false: the string "False" must not turn anything on.
     return expecting(fields.Boolean(truthy={True}, falsy={False}), "true or false")
 
 
-def one_of(choices: tuple[str, ...]) -> fields.Field:
+def one_of(choices: tuple[str, ...]) -> fields.Field[Any]:
     return expecting(fields.String(validate=OneOf(choices)), "one of " + ", ".join(choices))
 
 
-def options(of_what: str) -> fields.Field:
+def options(of_what: str) -> fields.Field[Any]:
     return expecting(fields.Dict(keys=fields.String()), f"an object of {of_what}")
 
 
-def validator(check, message: str):
+def validator(check: Callable[[Any], object], message: str) -> Callable[[Any], None]:
     """Turn a check that raises ValueError into a marshmallow validator."""
 
-    def validate(value) -> None:
+    def validate(value: Any) -> None:
         try:
             check(value)
         except (TypeError, ValueError) as error:
@@ -103,7 +104,7 @@ def check_server_url(url: str) -> None:
         raise ValueError(url)
 
 
-def rate_limit(off: bool = False) -> fields.Field:
+def rate_limit(off: bool = False) -> fields.Field[Any]:
     expected = 'a rate limit such as "100/second" or "6000 per minute"'
     return expecting(
         fields.String(allow_none=off, validate=validator(check_limit, "Not a rate limit.")),
@@ -111,7 +112,7 @@ def rate_limit(off: bool = False) -> fields.Field:
     )
 
 
-def strings(item: fields.Field, expected: str) -> fields.Field:
+def strings(item: fields.Field[Any], expected: str) -> fields.Field[Any]:
     return expecting(fields.List(item), expected)
 
 
@@ -129,7 +130,7 @@ class DeprecationSchema(Schema):
     successor = fields.String(required=True, validate=Regexp(r"^/"))
 
     @validates_schema
-    def sunset_after_since(self, data, **_kwargs) -> None:
+    def sunset_after_since(self, data: dict[str, Any], **_kwargs: Any) -> None:
         if data["sunset"] <= data["since"]:
             raise ValidationError("The sunset must come after the deprecation.")
 
@@ -145,7 +146,7 @@ class Deprecation(TypedDict):
     successor: str
 
 
-def setting(field: fields.Field, meaning: str) -> Any:
+def setting(field: fields.Field[Any], meaning: str) -> Any:
     """Declare a setting: the field that loads and checks its value, and its meaning in the docs
     (reStructuredText)."""
     return dataclasses.field(metadata={"field": field, "meaning": meaning})
@@ -380,7 +381,8 @@ def load(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def expected(name: str) -> str:
-    return SETTING_FIELDS[name].metadata["expected"]
+    said: str = SETTING_FIELDS[name].metadata["expected"]
+    return said
 
 
 def shown_default(name: str, value: Any) -> str:
