@@ -4,7 +4,9 @@ the check, at boot, of what they add up to against their declarations (settings_
 import copy
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import click
 from flask import Config, Flask
@@ -12,6 +14,7 @@ from marshmallow import fields
 from sqlalchemy.engine import make_url
 
 from animal_store import settings_schema
+from animal_store.extensions import settings
 
 # config/ beside the package, in the checkout that gunicorn runs from.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
@@ -19,6 +22,9 @@ ENVIRONMENT_PREFIX = "ANIMAL_STORE_"
 # ANIMAL_STORE_* variables that are not settings: the deployment's name, read below, and
 # gunicorn's address, read by config/gunicorn.conf.py.
 NOT_SETTINGS = {"ENV", "BIND"}
+# Where each setting given comes from: a file (or create_app's argument), or an environment
+# variable and its text.
+Sources = dict[str, tuple[str, str | None]]
 DEFAULTS = "animal_store/default_settings.py"
 DECLARED = settings_schema.SETTING_FIELDS
 # Settings whose environment variable must hold JSON: a typo there is worth saying so.
@@ -31,14 +37,14 @@ class SettingsError(click.ClickException):
     master checks the settings before any worker boots (config/gunicorn.conf.py)."""
 
 
-def load_settings(app, test_config=None) -> None:
+def load_settings(app: Flask, test_config: Mapping[str, Any] | None = None) -> None:
     """Fill app.config and check it; a missing secret or a bad value stops here, at boot."""
     app.config.from_object("animal_store.default_settings")
     # A copy of the defaults for each app: ANIMAL_STORE_<NAME>__<KEY> changes an object in place.
     app.config.update(copy.deepcopy({name: app.config[name] for name in DECLARED}))
     if test_config is not None:
         app.config.from_mapping(test_config)
-        sources = dict.fromkeys(test_config, ("test_config", None))
+        sources: Sources = dict.fromkeys(test_config, ("test_config", None))
         source = "the settings given to create_app"
     else:
         sources = load_deployment_settings(app)
@@ -57,10 +63,10 @@ def check_environment() -> None:
     load_settings(Flask(__package__, instance_relative_config=True))
 
 
-def load_deployment_settings(app) -> dict[str, tuple[str, str | None]]:
+def load_deployment_settings(app: Flask) -> Sources:
     """Load the deployment's file and the environment; return where each setting they set comes
     from (a file, or a variable and its text)."""
-    sources = {}
+    sources: Sources = {}
     environment = os.environ.get("ANIMAL_STORE_ENV")
     if environment:
         settings_file = CONFIG_DIR / f"{environment}.py"
@@ -90,7 +96,7 @@ def load_deployment_settings(app) -> dict[str, tuple[str, str | None]]:
     return sources
 
 
-def database_source(app) -> str:
+def database_source(app: Flask) -> str:
     """Say where DATABASE_URL came from: the environment, a settings file or the default."""
     environment = os.environ.get("ANIMAL_STORE_ENV")
     settings_file = f"config/{environment}.py, as ANIMAL_STORE_ENV={environment}"
@@ -115,13 +121,13 @@ RENAMED_SETTINGS = {
 }
 
 
-def refuse_renamed_settings(app) -> None:
+def refuse_renamed_settings(app: Flask) -> None:
     for old, new in RENAMED_SETTINGS.items():
         if old in app.config:
             raise SettingsError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
 
 
-def check_settings(config, sources) -> settings_schema.Settings:
+def check_settings(config: Config, sources: Sources) -> settings_schema.Settings:
     """Check every declared setting, and that each name set is a setting; write the values back
     as loaded (a date-time parsed from the environment's text) and return them typed."""
     unknown = [
@@ -142,7 +148,7 @@ def check_settings(config, sources) -> settings_schema.Settings:
     return settings_schema.Settings(**loaded)
 
 
-def problem(name: str, value, source: tuple[str, str | None]) -> str:
+def problem(name: str, value: Any, source: tuple[str, str | None]) -> str:
     """Say a bad setting in one line: its name, its value as given, what it must be."""
     where, text = source
     shown = repr(text if text is not None else value)
@@ -162,11 +168,11 @@ def parses_as_json(text: str) -> bool:
     return True
 
 
-def database_uri(app) -> str:
-    url = app.config["DATABASE_URL"]
+def database_uri(app: Flask) -> str:
+    url = settings(app).DATABASE_URL
     if not url:
         os.makedirs(app.instance_path, exist_ok=True)
-        return "sqlite:///" + os.path.join(app.instance_path, app.config["SQLITE_FILENAME"])
+        return "sqlite:///" + os.path.join(app.instance_path, settings(app).SQLITE_FILENAME)
     parsed = make_url(url)
     # A plain postgresql:// (or Heroku-style postgres://) URL means psycopg 3, our driver.
     if parsed.drivername in ("postgresql", "postgres"):
@@ -174,22 +180,23 @@ def database_uri(app) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def engine_options(app) -> dict:
+def engine_options(app: Flask) -> dict[str, Any]:
     """Add PostgreSQL's time limits, so an unreachable or stuck database means a quick 503
     (with the request's deadline, deadlines.py)."""
-    options = dict(app.config["SQLALCHEMY_ENGINE_OPTIONS"])
+    config = settings(app)
+    options = dict(config.SQLALCHEMY_ENGINE_OPTIONS)
     if not app.config["SQLALCHEMY_DATABASE_URI"].startswith("postgresql"):
         return options
-    options.setdefault("pool_timeout", app.config["DATABASE_POOL_TIMEOUT"])
+    options.setdefault("pool_timeout", config.DATABASE_POOL_TIMEOUT)
     # SQLAlchemy pings before any pool event, where no deadline reaches: deadlines.py pings on
     # checkout instead, once the connection is watched.
     options["pool_pre_ping"] = False
     connect_args = dict(options.get("connect_args", {}))
-    connect_args.setdefault("connect_timeout", app.config["DATABASE_CONNECT_TIMEOUT"])
-    if app.config["DATABASE_BEHIND_PGBOUNCER"]:
+    connect_args.setdefault("connect_timeout", config.DATABASE_CONNECT_TIMEOUT)
+    if config.DATABASE_BEHIND_PGBOUNCER:
         connect_args.setdefault("prepare_threshold", None)
     else:
-        statement_timeout_ms = int(app.config["DATABASE_STATEMENT_TIMEOUT"] * 1000)
+        statement_timeout_ms = int(config.DATABASE_STATEMENT_TIMEOUT * 1000)
         connect_args.setdefault("options", f"-c statement_timeout={statement_timeout_ms}")
     options["connect_args"] = connect_args
     return options
