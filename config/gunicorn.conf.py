@@ -5,9 +5,20 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import MutableMapping
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from gunicorn import glogging
+
+if TYPE_CHECKING:
+    # For the checker only: the master loads no more of gunicorn, or of Flask, than it did.
+    from flask import Flask
+    from gunicorn.arbiter import Arbiter
+    from gunicorn.http import Request
+    from gunicorn.http.wsgi import Response
+    from gunicorn.workers.base import Worker
 
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
 # One process per core, sync workers: chosen by measurement through the shipped nginx
@@ -50,7 +61,7 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[TEMPORARY_METRICS_DIR] = made
 
 
-def on_starting(server):
+def on_starting(server: "Arbiter") -> None:
     # A bad setting stops the boot here, in one line, before any worker starts: in the workers
     # it would be a traceback in each, and gunicorn would halt only once one of them had failed.
     from animal_store.settings import SettingsError, check_environment
@@ -58,7 +69,8 @@ def on_starting(server):
     try:
         check_environment()
     except SettingsError as error:
-        server.log.error("%s", error.format_message())
+        # The arbiter has its log by the time it calls on_starting.
+        cast(glogging.Logger, server.log).error("%s", error.format_message())
         remove_temporary_metrics_dir()
         sys.exit(1)
     # Figures a previous run left would be added to this one's.
@@ -66,11 +78,11 @@ def on_starting(server):
         leftover.unlink()
 
 
-def on_exit(server):
+def on_exit(server: "Arbiter") -> None:
     remove_temporary_metrics_dir()
 
 
-def remove_temporary_metrics_dir():
+def remove_temporary_metrics_dir() -> None:
     # A master re-executed on USR2 starts from the environment gunicorn itself started with,
     # so it makes a directory of its own: each master removes only the one it made.
     made = os.environ.get(TEMPORARY_METRICS_DIR)
@@ -78,7 +90,7 @@ def remove_temporary_metrics_dir():
         shutil.rmtree(made, ignore_errors=True)
 
 
-def child_exit(server, worker):
+def child_exit(server: "Arbiter", worker: "Worker") -> None:
     # A dead worker's gauges (requests in progress, pool) stop counting; its counters stay.
     from prometheus_client import multiprocess
 
@@ -95,7 +107,13 @@ class Logger(glogging.Logger):
     logging config (logconfig_dict, below), gunicorn builds the line's fields for every request
     anyway, a tenth of a worker's CPU on a list request (docs/benchmarks.rst)."""
 
-    def access(self, resp, req, environ, request_time):
+    def access(
+        self,
+        resp: "Response",
+        req: "Request",
+        environ: MutableMapping[str, Any],
+        request_time: timedelta,
+    ) -> None:
         pass
 
 
@@ -121,7 +139,7 @@ logconfig_dict = {
 }
 
 
-def post_worker_init(worker):
+def post_worker_init(worker: "Worker") -> None:
     # Said once a worker has loaded the app and takes requests, so an operator (or a test) can
     # tell a server whose workers have all started from one whose first worker alone serves.
     worker.log.info("Worker ready (pid: %s)", worker.pid)
@@ -130,10 +148,10 @@ def post_worker_init(worker):
     if "animal_store_rate_limits" in getattr(worker.wsgi, "extensions", {}):
         from animal_store.rate_limits import warn_if_counted_apart
 
-        warn_if_counted_apart(worker.wsgi, worker.cfg.workers)
+        warn_if_counted_apart(cast("Flask", worker.wsgi), worker.cfg.workers)
 
 
-def post_fork(server, worker):
+def post_fork(server: "Arbiter", worker: "Worker") -> None:
     # Requests gunicorn cannot parse (headers or URL over its limits, broken chunked bodies) are
     # answered by gunicorn itself: with the API's error object rather than an HTML page.
     # Imported here, in the worker, which loads the app anyway: the master stays free of it.
