@@ -1,8 +1,10 @@
 """Animal Store: an HTTP/JSON service for managing the animals a store offers."""
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from flask import Flask
+from flask import Blueprint, Flask
 
 from animal_store import health, openapi, pets
 from animal_store.api import register_api
@@ -23,7 +25,9 @@ MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
 RESOURCES = (pets.bp, openapi.bp)
 
 
-def create_app(test_config=None, resources=RESOURCES):
+def create_app(
+    test_config: Mapping[str, Any] | None = None, resources: Iterable[Blueprint] = RESOURCES
+) -> Flask:
     """Create and configure an instance of the animal store."""
     app = Flask(__name__, instance_relative_config=True)
     # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
