@@ -14,7 +14,7 @@ _View = TypeVar("_View", bound=Callable[..., Any])
 # What a view's declarations turn it into: flask-smorest wraps it in a function that loads its
 # arguments or dumps its answer.
 _Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
-_Schema = type[Schema] | Schema | str | dict[str, Any]
+_Schema = type[Schema] | Schema
 
 class Blueprint(flask.Blueprint):
     ARGUMENTS_PARSER: ClassVar[FlaskParser]
