@@ -21,14 +21,14 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade():
+def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(keyset.TAKE_ID_FUNCTION)
         op.execute(keyset.IN_FLIGHT_FUNCTION)
         op.execute("DROP FUNCTION keyset_pending_from(regclass)")
 
 
-def downgrade():
+def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(
             keyset_0005.TAKE_ID_FUNCTION.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
