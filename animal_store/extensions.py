@@ -1,6 +1,6 @@
 """Extension objects, created unbound and bound to an app in create_app."""
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from flask import Flask
 from flask_migrate import Migrate
@@ -25,7 +25,8 @@ migrate = Migrate()
 
 def settings(app: Flask) -> "Settings":
     """Return the app's settings as checked at boot (settings.py), each with its type."""
-    return cast("Settings", app.extensions["animal_store_settings"])
+    checked: Settings = app.extensions["animal_store_settings"]
+    return checked
 
 
 def tune_sqlite_connections(app: Flask) -> None:
