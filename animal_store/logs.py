@@ -19,6 +19,9 @@ from animal_store.request_id import current_request_id
 
 # The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
 REQUESTS = logging.getLogger("animal_store.request")
+# Flask's request and g as the proxies they are: Flask types them as the objects they stand for.
+REQUEST_PROXY = cast("LocalProxy[Request]", request)
+G_PROXY = cast("LocalProxy[_AppCtxGlobals]", g)
 
 
 def json_line(
@@ -150,10 +153,8 @@ def only_stdout_listens() -> bool:
 
 
 def request_fields(response: Response) -> dict[str, Any]:
-    # The request and g looked up once each, not through their proxies at every field (Flask
-    # types them as what they stand for, not as the proxies they are).
-    served = cast("LocalProxy[Request]", request)._get_current_object()
-    context = cast("LocalProxy[_AppCtxGlobals]", g)._get_current_object()
+    # The request and g looked up once each, not through their proxies at every field.
+    served, context = REQUEST_PROXY._get_current_object(), G_PROXY._get_current_object()
     started = context.get("request_started")
     api_key = context.get("api_key")
     fields = {
