@@ -1,7 +1,7 @@
 """The animals resource: listPets, createPet and the deprecated getPet."""
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import orjson
 from flask import Response, make_response, url_for
@@ -14,7 +14,7 @@ from animal_store.extensions import db
 from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
 from animal_store.keyset import settled_prefix
 from animal_store.pagination import next_page_link, next_page_query
-from animal_store.schemas import INT64_MAX, ListQuerySchema, NewPetSchema, PetSchema
+from animal_store.schemas import INT64_MAX, ListQuery, ListQuerySchema, NewPetSchema, PetSchema
 from animal_store.store import NewPet, PetRow
 
 bp = Blueprint("pets", __name__)
@@ -48,7 +48,7 @@ PET_ID = {
 @conditional
 @bp.arguments(list_query_schema, location="query")
 @bp.response(200, pets_schema, description="A page of animals.", headers={"Link": NEXT_LINK})
-def list_pets(query: dict[str, Any]) -> Sequence[PetRow] | Response:
+def list_pets(query: ListQuery) -> Sequence[PetRow] | Response:
     """List animals, a page at a time, in ascending id order; optionally those of one status."""
     limit, status = query["limit"], query.get("status")
     after = query["cursor"].last_id if "cursor" in query else 0

@@ -3,7 +3,7 @@
 import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from marshmallow import (
     EXCLUDE,
@@ -152,6 +152,14 @@ class NewPetSchema(PetSchema):
 
     class Meta:
         exclude = ("id",)
+
+
+class ListQuery(TypedDict):
+    """listPets' query as ListQuerySchema loads it."""
+
+    limit: int
+    status: NotRequired[str]
+    cursor: NotRequired[Position]
 
 
 class ListQuerySchema(Schema):
