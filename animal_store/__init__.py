@@ -21,7 +21,7 @@ from animal_store.security_headers import security_headers
 from animal_store.settings import load_settings
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
-# The blueprints served under /v1, each inheriting everything the API layer gives (api.py).
+# The blueprints served under /v1, each inheriting everything the API layer gives (api/).
 RESOURCES = (pets.bp, openapi.bp)
 
 

@@ -1,8 +1,8 @@
 """The OpenAPI document and its docs page, served under /v1 without an API key.
 
-flask-smorest builds the document (api.py) from what each view declares and from the marshmallow
-schemas the views load and dump with, so the document cannot drift from the service. It is
-turned into JSON once per app, on first use, and then served as bytes.
+flask-smorest builds the document (api/document.py) from what each view declares and from the
+marshmallow schemas the views load and dump with, so the document cannot drift from the service.
+It is turned into JSON once per app, on first use, and then served as bytes.
 """
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """Per-key rate limits on the operations of the API layer: counted in each worker's memory, shared
 through Redis every few tens of milliseconds.
 
-Every API key has one budget, shared by all the operations of the API layer (api.py), counted in
+Every API key has one budget, shared by all the operations of the API layer (api/), counted in
 fixed windows: the key's own limit (`flask keys set-limit`), else RATE_LIMIT. Beyond it: 429 with
 Retry-After. Every limited response carries RateLimit-Limit, RateLimit-Remaining and
 RateLimit-Reset (seconds until the window resets).

@@ -1,0 +1,179 @@
+"""The OpenAPI document: flask-smorest's Api and plugin set up for /v1, and the hook that adds to
+each operation what the layer gives it."""
+
+from email.utils import format_datetime
+
+import flask_smorest
+import flask_smorest.spec.plugins
+from flask_smorest.spec.plugins import RE_URL
+
+from animal_store import errors
+from animal_store.api.headers import DEPRECATION_HEADERS, ERROR_HEADERS, RATE_LIMIT_HEADERS, Header
+from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE
+from animal_store.schemas import EnumField, ErrorSchema, Int64
+
+API_VERSION = "1.0.0"
+
+# Every operation of the layer can give these, besides the errors its view declares.
+LAYER_ERRORS = (
+    errors.UNAUTHORIZED,
+    errors.INVALID_KEY,
+    errors.MISSING_SCOPE,
+    errors.METHOD_NOT_ALLOWED,
+    errors.TOO_MANY_REQUESTS,
+    errors.TOO_MANY_AUTH_FAILURES,
+    errors.INTERNAL_ERROR,
+    errors.DATABASE_UNAVAILABLE,
+)
+# Answered by routing, before any view is chosen: the operation's own headers are not added.
+ROUTING_ERRORS = {405}
+
+
+class FlaskPlugin(flask_smorest.spec.plugins.FlaskPlugin):
+    """Paths relative to the servers' base path (/v1), and path variables named as on the wire.
+
+    A path variable is snake_case in Python (`pet_id`) and camelCase in the document (`petId`),
+    as the body's fields are (`category_id`, `categoryId`).
+    """
+
+    def __init__(self, base_path: str):
+        super().__init__()
+        self.base_path = base_path
+
+    def flaskpath2openapi(self, path):
+        return RE_URL.sub(
+            lambda match: f"{{{camel_case(match[1])}}}", path.removeprefix(self.base_path)
+        )
+
+    def rule_to_params(self, rule):
+        return [
+            {**param, "name": camel_case(param["name"])} for param in super().rule_to_params(rule)
+        ]
+
+
+def camel_case(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
+
+
+class Api(flask_smorest.Api):
+    """flask-smorest's Api with our error answers, and no error responses of its own."""
+
+    DEFAULT_ERROR_RESPONSE_NAME = None
+    ERROR_SCHEMA = ErrorSchema
+
+    def _register_error_handlers(self):
+        errors.register_error_handlers(self._app)
+
+    def _register_pagination_header(self):
+        # Our pages are walked with Link headers (pagination.py), not flask-smorest's pagination:
+        # its header would bring a schema of its own into the document.
+        pass
+
+
+def make_api(app, base_path: str) -> Api:
+    """Make the app's flask-smorest Api, whose document describes the paths under base_path."""
+    api = Api(
+        app,
+        spec_kwargs={
+            "title": "Animal Store",
+            "version": API_VERSION,
+            "openapi_version": "3.1.0",
+            "info": {
+                "description": "Manage the animals a store offers. Every operation needs an API "
+                "key (`Authorization: Bearer <key>`); every error is one JSON object, `Error`."
+            },
+            "servers": app.config["OPENAPI_SERVERS"],
+            "security": [{"bearerAuth": []}],
+            "flask_plugin": FlaskPlugin(base_path),
+        },
+    )
+    api.register_field(Int64, "integer", "int64")
+    # Its type is in its component: the field itself is only the reference (enum_reference).
+    api.register_field(EnumField, None, None)
+    api.ma_plugin.converter.add_attribute_function(enum_reference)
+    api.spec.components.security_scheme(
+        "bearerAuth",
+        {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An API key made with `flask keys create NAME`.",
+        },
+    )
+    for enum in EnumField.__subclasses__():
+        api.spec.components.schema(enum.component, enum.component_schema())
+    return api
+
+
+def enum_reference(self, field, **kwargs) -> dict:
+    # An enum field is its one schema component, so generated clients have one type for it.
+    if isinstance(field, EnumField):
+        return {"$ref": f"#/components/schemas/{field.component}"}
+    return {}
+
+
+def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
+    """Add to an operation what the layer gives it, and the errors and headers it declared."""
+    public_view = doc_info.get("public", False)
+    if public_view:
+        doc["security"] = []
+    else:
+        # OpenAPI 3.1 lets a bearer scheme list the roles an operation needs: here its scope.
+        doc["security"] = [{"bearerAuth": [SCOPE_OF_METHOD.get(method.upper(), WRITE_SCOPE)]}]
+    shared = [] if public_view else list(RATE_LIMIT_HEADERS)
+    if setting := doc_info.get("deprecation"):
+        shared = [*DEPRECATION_HEADERS, *shared]
+        doc["deprecated"] = True
+        docstring = doc_info["docstring"]
+        notes = (docstring.get("description"), deprecation_note(app.config[setting]))
+        docstring["description"] = "\n\n".join(note for note in notes if note)
+    responses = doc.setdefault("responses", {})
+    for status, response in responses.items():
+        if int(status) < 400:
+            headers = response.setdefault("headers", {})
+            headers.update({header.name: header for header in shared})
+            response["headers"] = header_references(spec, headers)
+    kinds = dict.fromkeys([*doc_info.get("errors", []), *(() if public_view else LAYER_ERRORS)])
+    for status in sorted({kind.status for kind in kinds}):
+        of_status = [kind for kind in kinds if kind.status == status]
+        headers = {name: ERROR_HEADERS[name] for kind in of_status for name in kind.headers}
+        if status not in ROUTING_ERRORS:
+            headers.update({header.name: header for header in shared})
+        response = {
+            "description": error_description(of_status),
+            "content": {"application/json": {"schema": "Error"}},
+        }
+        if headers:
+            response["headers"] = header_references(spec, headers)
+        responses[status] = response
+    return doc
+
+
+def error_description(kinds) -> str:
+    codes = {}
+    for kind in kinds:
+        codes.setdefault(kind.code, []).append(kind.when.rstrip("."))
+    return " ".join(f"`{code}`: {'; '.join(whens)}." for code, whens in codes.items())
+
+
+def header_references(spec, headers: dict) -> dict:
+    """Register each Header as a component (once) and refer to it by its component name."""
+    references = {}
+    for name, header in headers.items():
+        if not isinstance(header, Header):
+            references[name] = header
+            continue
+        component = header.component or header.name
+        if component not in spec.components.headers:
+            spec.components.header(component, header.spec())
+        references[name] = component
+    return references
+
+
+def deprecation_note(deprecation) -> str:
+    return (
+        f"Deprecated since {deprecation['since']:%Y-%m-%d}; removed on "
+        f"{deprecation['sunset']:%Y-%m-%d} (`Sunset: "
+        f"{format_datetime(deprecation['sunset'], usegmt=True)}`). "
+        f"Use `GET {deprecation['successor']}` (listPets) with the `status` filter instead."
+    )

@@ -1,0 +1,35 @@
+"""The /v1 layer put together: the resources registered under it, its policies hooked on, and
+the document built."""
+
+from flask_cors import CORS
+
+from animal_store import rate_limits
+from animal_store.api.declarations import Blueprint
+from animal_store.api.document import document_layer, make_api
+from animal_store.api.policies import Policies
+from animal_store.auth_failures import init_auth_failures
+
+# Where the API lives on every server; OPENAPI_SERVERS urls must end with it.
+BASE_PATH = "/v1"
+LAYER = "v1"
+
+
+def register_api(app, resources) -> Policies:
+    """Serve the resources under /v1 with everything the layer gives, and build the document;
+    return the layer's policies."""
+    api = make_api(app, BASE_PATH)
+    policies = Policies(rate_limits.init_rate_limits(app), LAYER)
+    init_auth_failures(app, policies.limiter)
+    layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
+    layer.before_request(policies.admit)
+    layer.after_request(policies.add_headers)
+    layer._prepare_doc_cbks.append(document_layer)
+    for resource in resources:
+        layer.register_blueprint(resource)
+    api.register_blueprint(layer)
+    policies.collect(app)
+    if app.config["CORS_ORIGINS"]:
+        # The answers' CORS headers, for the origins listed; with none (the default), there is
+        # nothing to add, and no hook runs on every request to find that out.
+        CORS(app, resources={f"{BASE_PATH}/*": {}})
+    return policies

@@ -1,0 +1,98 @@
+"""The layer's per-request policies: OPTIONS, the key and its scope, the rate limit, and the
+headers every answer of the layer gets."""
+
+from email.utils import format_datetime
+
+from flask import current_app, g, request
+
+from animal_store import rate_limits
+from animal_store.api.declarations import view_doc
+from animal_store.auth import authenticate
+
+# The scope an API key needs for an operation, by its method: reads need `read`, the rest
+# `write` (auth.SCOPES).
+SCOPE_OF_METHOD = {"GET": "read", "HEAD": "read"}
+WRITE_SCOPE = "write"
+
+
+class Policies:
+    """The layer's per-request policies, from what its views declared, read once at start-up.
+
+    Sets and dicts by endpoint, filled in once the views are registered (collect()): a request
+    then costs one look-up, not a walk through its view's declarations.
+    """
+
+    def __init__(self, limiter: rate_limits.RateLimiter, layer: str):
+        self.limiter = limiter
+        # The layer's blueprint name: its views' endpoints start with it.
+        self.layer = layer
+        self.protected = frozenset()
+        self.vary_origin = False
+        self.deprecated = {}
+
+    def collect(self, app) -> None:
+        views = {
+            endpoint: view_doc(view)
+            for endpoint, view in app.view_functions.items()
+            if endpoint.startswith(f"{self.layer}.")
+        }
+        self.protected = frozenset(e for e, doc in views.items() if not doc.get("public"))
+        # Answers to listed origins carry CORS headers and others' do not: caches must know.
+        self.vary_origin = bool(app.config["CORS_ORIGINS"])
+        self.deprecated = {
+            endpoint: deprecation_headers(app.config[doc["deprecation"]])
+            for endpoint, doc in views.items()
+            if "deprecation" in doc
+        }
+
+    def requires_key(self) -> bool:
+        """Tell whether this request is for a view of the layer that only key holders may use."""
+        return request.endpoint in self.protected and request.method != "OPTIONS"
+
+    def admit(self):
+        """Answer OPTIONS, which never needs a key; check the key of a request that does, then
+        count the request against the key's rate limit.
+
+        Checked first, then counted: a request without a valid key counts against no key's
+        budget, only against its address's failures (auth_failures.py). A hook of the layer's
+        blueprint: it runs for the layer's views only.
+        """
+        if request.method == "OPTIONS":
+            # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
+            # its headers for a listed origin.
+            response = current_app.make_default_options_response()
+            response.status_code = 204
+            del response.headers["Content-Type"]  # no content, no type
+            return response
+        if request.endpoint in self.protected:
+            key = authenticate(SCOPE_OF_METHOD.get(request.method, WRITE_SCOPE))
+            g.rate_limit_window = rate_limits.count_request(
+                self.limiter, key.budget, key.rate_limit
+            )
+        return None
+
+    def add_headers(self, response):
+        """Give every answer of a counted request the RateLimit-* headers, and of a deprecated
+        view the deprecation headers, errors included (RFC 9745, RFC 8594); say that answers vary
+        by Origin while CORS origins are listed."""
+        window = g.get("rate_limit_window")
+        if window is not None:
+            # Added, not set: no answer of a counted request has them yet (a 429 has no window),
+            # and a set searches the headers for each one first.
+            response.headers.extend(window.headers())
+        headers = self.deprecated.get(request.endpoint)
+        if headers is not None:
+            # Added too: the successor's Link goes beside any Link of the view's own (a next
+            # page), never in its place.
+            response.headers.extend(headers)
+        if self.vary_origin:
+            response.vary.add("Origin")
+        return response
+
+
+def deprecation_headers(deprecation) -> dict:
+    return {
+        "Deprecation": f"@{int(deprecation['since'].timestamp())}",
+        "Sunset": format_datetime(deprecation["sunset"], usegmt=True),
+        "Link": f'<{deprecation["successor"]}>; rel="successor-version"',
+    }
