@@ -129,7 +129,7 @@ KEY_MISS_CACHE_SIZE = 4096
 # Browsers: the origins whose pages may call the API (CORS, Flask-CORS's own settings), e.g.
 # ANIMAL_STORE_CORS_ORIGINS='["https://shop.example"]'. Empty: no CORS headers at all.
 CORS_ORIGINS: list[str] = []
-CORS_METHODS = ["GET", "HEAD", "POST", "OPTIONS"]
+# The methods a page may use are those of the /v1 routes (api/layer.py), not a setting.
 # What a page may send (preflights ask for them) and read of the answers.
 CORS_ALLOW_HEADERS = ["Authorization", "Content-Type", "Idempotency-Key", "If-None-Match"]
 CORS_EXPOSE_HEADERS = [

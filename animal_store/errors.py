@@ -158,6 +158,12 @@ IDEMPOTENCY_CLAIM_LOST = ErrorKind(
     "The request ran past the key's lease and another took the key over.",
     ("Retry-After",),
 )
+ALREADY_EXISTS = ErrorKind(
+    409,
+    "already_exists",
+    "A value that must be unique is already taken; nothing was changed.",
+    "A field that must be unique (such as a name) has a value another item already has.",
+)
 PAYLOAD_TOO_LARGE = ErrorKind(
     413,
     "payload_too_large",
@@ -280,6 +286,11 @@ KIND_OF_STATUS = {
 # locked past the busy timeout: conditions of the machine, not bugs of ours.
 SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "locked")
 
+# How the drivers name a unique constraint's refusal: PostgreSQL's SQLSTATE, SQLite's extended
+# result codes (Python's sqlite3 says them by name).
+UNIQUE_VIOLATION = "23505"
+SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
+
 # Headers of the underlying exception that still mean something on our error response.
 KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
 
@@ -366,6 +377,24 @@ def handle_unexpected_error(error: BaseException) -> ErrorAnswer:
     return error_response(INTERNAL_ERROR)
 
 
+def handle_integrity_error(error: sa_exc.IntegrityError) -> ErrorAnswer:
+    """Answer a unique constraint's refusal as 409 already_exists; any other integrity error is a
+    bug of ours (a missing value, a broken reference) and a 500."""
+    if not is_unique_violation(error):
+        return handle_unexpected_error(error)
+    # Whatever the request had written is undone; the stored rows stay as they were.
+    db.session.rollback()
+    return error_response(ALREADY_EXISTS)
+
+
+def is_unique_violation(error: sa_exc.IntegrityError) -> bool:
+    # A primary key is a unique index too: PostgreSQL says both with the one SQLSTATE.
+    sqlstate = getattr(error.orig, "sqlstate", None)
+    if sqlstate is not None:
+        return bool(sqlstate == UNIQUE_VIOLATION)
+    return getattr(error.orig, "sqlite_errorname", None) in SQLITE_UNIQUE_ERRORS
+
+
 def is_database_outage(error: BaseException) -> bool:
     """Tell a database that cannot be reached or written from a bug in our SQL."""
     if isinstance(error, sa_exc.DisconnectionError | sa_exc.TimeoutError):
@@ -430,6 +459,8 @@ def register_error_handlers(app: Flask) -> None:
 
         app.register_error_handler(ParseException, handle_malformed_body)
     app.register_error_handler(APIError, handle_api_error)
+    # Raised out of any view that writes: no view catches it itself.
+    app.register_error_handler(sa_exc.IntegrityError, handle_integrity_error)
     app.register_error_handler(HTTPException, handle_http_exception)
     app.register_error_handler(Exception, handle_unexpected_error)
 

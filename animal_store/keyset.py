@@ -146,24 +146,45 @@ def sequences(table: str) -> tuple[str, str]:
     return f"{table}_id_seq", f"{table}_{ORDER_XID}_seq"
 
 
+def order_ids(connection: sa.Connection, table: str) -> None:
+    """Make a table's ids taken in order, in the connection's transaction: what the migration
+    that creates a table walked in keyset pages calls, as `order_ids(op.get_bind(), "table")`.
+
+    On PostgreSQL it runs order_ids_sql (the table needs its `order_xid` column, and the
+    functions migrations 0005 and 0006 made); on SQLite there is nothing to do. Dropping the
+    table drops its trigger and sequences with it.
+    """
+    if connection.dialect.name == "postgresql":
+        for statement in order_ids_sql(table):
+            connection.execute(sa.text(statement))
+
+
 def order_ids_sql(table: str) -> list[str]:
     """The statements that make a table's ids taken in order (PostgreSQL; after TAKE_ID_FUNCTION).
 
-    The id column keeps its values: its identity, if it has one, becomes a plain sequence that
-    starts where the identity would have gone on (the trigger must be alone in taking ids).
-    Migrations run these: they must keep doing what they do.
+    The id column keeps its values: its identity or serial default, if it has one, becomes a
+    plain sequence that starts where the old one would have gone on (the trigger must be alone in
+    taking ids). Migrations run these: they must keep doing what they do.
     """
     ids, stamps = sequences(table)
     # The table name is the code's own, never a request's (here and below).
     return [
         f"""DO $$
-        DECLARE next_id bigint;
+        DECLARE
+            next_id bigint;
+            serial text;
         BEGIN
             SELECT greatest(
                 coalesce(pg_sequence_last_value(pg_get_serial_sequence('{table}', 'id')), 0),
                 coalesce(max(id), 0)
             ) + 1 INTO next_id FROM {table};
             ALTER TABLE {table} ALTER id DROP IDENTITY IF EXISTS;
+            -- A serial column (a table created without an identity): its default and sequence.
+            serial := pg_get_serial_sequence('{table}', 'id');
+            ALTER TABLE {table} ALTER id DROP DEFAULT;
+            IF serial IS NOT NULL THEN
+                EXECUTE format('DROP SEQUENCE %s', serial);
+            END IF;
             CREATE SEQUENCE {ids} CACHE 1 OWNED BY {table}.id;
             PERFORM setval('{ids}', next_id, false);
         END $$""",  # noqa: S608

@@ -92,14 +92,20 @@ class ApiKey(Model):
 
 
 class IdempotencyRecord(Model):
-    """One Idempotency-Key of one API key: claimed while its request runs, then its answer."""
+    """One Idempotency-Key of one API key on one method and path: claimed while its request runs,
+    then its answer."""
 
     __tablename__ = "idempotency_records"
     # The unique constraint, not process memory, decides which of several racing requests runs.
-    __table_args__ = (UniqueConstraint("api_key_id", "key", name="uq_idempotency_records_key"),)
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "target_hash", "key", name="uq_idempotency_records_key"),
+    )
 
     id: Mapped[int] = mapped_column(Int64Id, Identity(), primary_key=True)
     api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    # SHA-256 of the request's method and path (idempotency.request_target): a key is scoped to
+    # the request it was first used with.
+    target_hash: Mapped[bytes] = mapped_column(LargeBinary(32))
     key: Mapped[str] = mapped_column(String(255))
     # SHA-256 of the parsed request body in canonical JSON: the same key must mean the same body.
     fingerprint: Mapped[bytes] = mapped_column(LargeBinary(32))

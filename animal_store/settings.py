@@ -121,10 +121,19 @@ RENAMED_SETTINGS = {
 }
 
 
+# Settings that are gone, and why: set, they stop the boot rather than seem to work.
+REMOVED_SETTINGS = {
+    "CORS_METHODS": "the methods browsers may use are those the /v1 routes allow, derived at boot",
+}
+
+
 def refuse_renamed_settings(app: Flask) -> None:
     for old, new in RENAMED_SETTINGS.items():
         if old in app.config:
             raise SettingsError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
+    for name, why in REMOVED_SETTINGS.items():
+        if name in app.config:
+            raise SettingsError(f"The setting {name} is gone: {why}. Remove it.")
 
 
 def check_settings(config: Config, sources: Sources) -> settings_schema.Settings:

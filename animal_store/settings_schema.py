@@ -24,7 +24,6 @@ from animal_store.rate_limits import check_limit
 # Databases the service runs on, by SQLAlchemy backend: the drivers it ships with.
 DATABASE_DRIVERS = {"sqlite": {"pysqlite"}, "postgresql": {"psycopg"}, "postgres": {"psycopg"}}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # RFC 9110's token: the characters of a header name.
 HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
 
@@ -343,11 +342,8 @@ class Settings:
             fields.String(validate=Length(min=1)),
             'a list of origins, such as ["https://shop.example"]',
         ),
-        "Origins whose pages may call the API from a browser; empty: no CORS headers at all",
-    )
-    CORS_METHODS: list[str] = setting(
-        strings(fields.String(validate=OneOf(HTTP_METHODS)), "a list of HTTP methods"),
-        "Methods a page may use (Flask-CORS's setting)",
+        "Origins whose pages may call the API from a browser, with every method the /v1 routes "
+        "allow; empty: no CORS headers at all",
     )
     CORS_ALLOW_HEADERS: list[str] = setting(
         strings(fields.String(validate=Regexp(HEADER_NAME)), "a list of header names"),

@@ -16,7 +16,7 @@ from nginx_server import NGINX, PROJECT_DIR, Nginx, free_port, make_certificate,
 from playwright.sync_api import sync_playwright
 from redis_server import REDIS_SERVER, RedisServer
 
-from animal_store import create_app
+from animal_store import RESOURCES, create_app
 from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import Pet
@@ -73,11 +73,13 @@ def database_url(migrated_database, tmp_path):
 
 @pytest.fixture
 def make_app(database_url):
-    """Create apps on the test's database with settings overridden; their pools close after."""
+    """Create apps on the test's database with settings overridden, serving RESOURCES or the
+    resources given; their pools close after."""
     apps = []
 
-    def make(**settings):
-        apps.append(create_app({"TESTING": True, "DATABASE_URL": database_url, **settings}))
+    def make(resources=RESOURCES, **settings):
+        config = {"TESTING": True, "DATABASE_URL": database_url, **settings}
+        apps.append(create_app(config, resources=resources))
         return apps[-1]
 
     yield make

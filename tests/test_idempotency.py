@@ -11,6 +11,7 @@ import requests
 import sqlalchemy as sa
 
 from animal_store.extensions import db
+from animal_store.idempotency import target_hash
 from animal_store.models import ApiKey, IdempotencyRecord
 
 REX = {"name": "Rex", "categoryId": 1, "status": "available"}
@@ -60,6 +61,7 @@ def claim_in_flight(app, records):
         records(
             sa.insert(IdempotencyRecord).values(
                 api_key_id=api_key_id,
+                target_hash=target_hash("POST", "/v1/pets"),
                 key=key,
                 fingerprint=hashlib.sha256(
                     orjson.dumps(body, option=orjson.OPT_SORT_KEYS)

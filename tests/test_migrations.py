@@ -1,9 +1,15 @@
 """The shipped migrations build exactly the schema the models describe, on SQLite and PostgreSQL."""
 
+import hashlib
+from datetime import UTC, datetime, timedelta
+
+import orjson
+import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from animal_store.extensions import db
+from animal_store.idempotency import target_hash
 
 
 def test_migrations_match_the_models(app):
@@ -54,3 +60,64 @@ def test_keyset_and_idempotency_migration_goes_down_and_up(app):
         assert schema() == (False, False)
         upgrade()
         assert schema() == (True, True)
+
+
+def stored_record(api_key_id, key, body):
+    """An answered idempotency record as the tables before migration 0007 held it."""
+    now = datetime.now(UTC)
+    return {
+        "api_key_id": api_key_id,
+        "key": key,
+        "fingerprint": hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).digest(),
+        "claim": "0" * 32,
+        "claimed_at": now,
+        "expires_at": now + timedelta(days=1),
+        "response_status": 201,
+        "response_body": orjson.dumps({"id": 41, **body}),
+        "response_location": "http://localhost/v1/pets/41",
+    }
+
+
+def test_idempotency_records_stored_before_0007_still_replay(app, client, auth):
+    from flask_migrate import downgrade, upgrade
+
+    body = {"name": "Rex", "categoryId": 1}
+    with app.app_context():
+        downgrade(revision="0006")
+        records = sa.Table("idempotency_records", sa.MetaData(), autoload_with=db.engine)
+        assert "target_hash" not in records.c
+        with db.engine.begin() as connection:
+            api_key_id = connection.scalar(sa.text("SELECT id FROM api_keys"))
+            connection.execute(records.insert().values(stored_record(api_key_id, "old", body)))
+        upgrade()
+    headers = auth | {"Idempotency-Key": "old"}
+    again = client.post("/v1/pets", json=body, headers=headers)
+    assert (again.status_code, again.headers["Idempotent-Replayed"]) == (201, "true")
+    assert again.get_json() == {"id": 41, "name": "Rex", "categoryId": 1}
+    reused = client.post("/v1/pets", json=body | {"name": "Tom"}, headers=headers)
+    assert reused.get_json()["code"] == "idempotency_key_reused"
+
+
+def test_0007_goes_down_keeping_the_pets_records_only(app, client, auth):
+    from flask_migrate import downgrade, upgrade
+
+    body, headers = {"name": "Rex", "categoryId": 1}, auth | {"Idempotency-Key": "both"}
+    assert client.post("/v1/pets", json=body, headers=headers).status_code == 201
+    with app.app_context():
+        # The same key used on another path: a record of its own, which 0006 cannot hold.
+        with db.engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "INSERT INTO idempotency_records (api_key_id, target_hash, key, fingerprint,"
+                    " claim, claimed_at, expires_at) SELECT api_key_id, :other, key, fingerprint,"
+                    " claim, claimed_at, expires_at FROM idempotency_records"
+                ),
+                {"other": target_hash("POST", "/v1/elsewhere")},
+            )
+            assert connection.scalar(sa.text("SELECT count(*) FROM idempotency_records")) == 2
+        downgrade(revision="0006")
+        with db.engine.connect() as connection:
+            assert connection.scalar(sa.text("SELECT count(*) FROM idempotency_records")) == 1
+        upgrade()
+    again = client.post("/v1/pets", json=body, headers=headers)
+    assert again.headers["Idempotent-Replayed"] == "true"

@@ -55,10 +55,14 @@ class Blueprint(flask_smorest.Blueprint):
 
     def register_blueprint(self, blueprint, **options):
         """Nest a resource; its operations are tagged with its name in the document."""
+        name = options.get("name", blueprint.name)
         for endpoint_doc in getattr(blueprint, "_docs", {}).values():
             for method_doc in endpoint_doc.values():
-                if isinstance(method_doc, dict) and method_doc.get("tags") is None:
-                    method_doc["tags"] = [options.get("name", blueprint.name)]
+                if isinstance(method_doc, dict):
+                    # For the document hook, which names components after their resource.
+                    method_doc["resource"] = name
+                    if method_doc.get("tags") is None:
+                        method_doc["tags"] = [name]
         if not isinstance(blueprint, flask_smorest.Blueprint):
             # A plain Flask blueprint (the document and docs page): served, not documented.
             return flask.Blueprint.register_blueprint(self, blueprint, **options)

@@ -132,7 +132,7 @@ def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
         if int(status) < 400:
             headers = response.setdefault("headers", {})
             headers.update({header.name: header for header in shared})
-            response["headers"] = header_references(spec, headers)
+            response["headers"] = header_references(spec, headers, doc_info)
     kinds = dict.fromkeys([*doc_info.get("errors", []), *(() if public_view else LAYER_ERRORS)])
     for status in sorted({kind.status for kind in kinds}):
         of_status = [kind for kind in kinds if kind.status == status]
@@ -144,7 +144,7 @@ def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
             "content": {"application/json": {"schema": "Error"}},
         }
         if headers:
-            response["headers"] = header_references(spec, headers)
+            response["headers"] = header_references(spec, headers, doc_info)
         responses[status] = response
     return doc
 
@@ -156,18 +156,47 @@ def error_description(kinds) -> str:
     return " ".join(f"`{code}`: {'; '.join(whens)}." for code, whens in codes.items())
 
 
-def header_references(spec, headers: dict) -> dict:
-    """Register each Header as a component (once) and refer to it by its component name."""
+def header_references(spec, headers: dict, doc_info: dict) -> dict:
+    """Register each Header as a component (once) and refer to it by its component name.
+
+    Headers with the same name and the same description share one component. One whose
+    description differs from the component already registered under its name gets one of its
+    own, named for its resource (`CategoriesLocation`) or else its operation
+    (`CreateCategoryLocation`): the first one registered never describes another's header.
+    """
     references = {}
     for name, header in headers.items():
         if not isinstance(header, Header):
             references[name] = header
             continue
-        component = header.component or header.name
-        if component not in spec.components.headers:
-            spec.components.header(component, header.spec())
-        references[name] = component
+        references[name] = header_component(spec, header, doc_info)
     return references
+
+
+def header_component(spec, header: Header, doc_info: dict) -> str:
+    described = header.spec()
+    base = header.component or header.name
+    operation_id = doc_info.get("manual_doc", {}).get("operationId")
+    candidates = [base]
+    if "resource" in doc_info:
+        candidates.append(pascal_case(doc_info["resource"]) + base)
+    if operation_id:
+        candidates.append(pascal_case(operation_id) + base)
+    for component in candidates:
+        registered = spec.components.headers.get(component)
+        if registered is None:
+            spec.components.header(component, described)
+            return component
+        if registered == described:
+            return component
+    raise ValueError(
+        f"The {header.name} header of {operation_id} needs a component name "
+        f"of its own: {', '.join(candidates)} describe other headers (Header(component=...))."
+    )
+
+
+def pascal_case(name: str) -> str:
+    return "".join(word[:1].upper() + word[1:] for word in name.replace("-", "_").split("_"))
 
 
 def deprecation_note(deprecation) -> str:

@@ -31,5 +31,18 @@ def register_api(app, resources) -> Policies:
     if app.config["CORS_ORIGINS"]:
         # The answers' CORS headers, for the origins listed; with none (the default), there is
         # nothing to add, and no hook runs on every request to find that out.
-        CORS(app, resources={f"{BASE_PATH}/*": {}})
+        CORS(app, resources={f"{BASE_PATH}/*": {}}, methods=layer_methods(app))
     return policies
+
+
+def layer_methods(app) -> list[str]:
+    """The methods the layer's routes allow, all of them together: what a page may use.
+
+    Derived, so a new operation is reachable from browsers as soon as it is registered; a
+    preflight for a method its path lacks is allowed, and the request then gets 405 with Allow.
+    """
+    methods = set()
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint.startswith(f"{LAYER}."):
+            methods |= rule.methods or set()
+    return sorted(methods)

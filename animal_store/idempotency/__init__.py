@@ -1,12 +1,14 @@
 """Idempotent creation: a POST retried with the same Idempotency-Key creates at most one animal.
 
-Follows draft-ietf-httpapi-idempotency-key-header. Keys live in the database, scoped to the API
-key, so every gunicorn worker and every instance on the same database sees the same keys:
+Follows draft-ietf-httpapi-idempotency-key-header. Keys live in the database, so every gunicorn
+worker and every instance on the same database sees the same keys. A key is scoped to the request
+it was first used with, as the draft has it: its API key, its method and its path. The same key
+on another path, or from another API key, is another key: it never replays this one's answer.
 
 The header's grammar is in header.py, the claims on keys in claims.py.
 
-1. Claim: INSERT a row for (API key, Idempotency-Key). The unique constraint lets exactly one of
-   several racing requests in; the others find its row and are answered from it.
+1. Claim: INSERT a row for (API key, method and path, Idempotency-Key). The unique constraint lets
+   exactly one of several racing requests in; the others find its row and are answered from it.
 2. Run the view, which stores its answer (remember()) in the same transaction as the animal it
    creates, so a crash leaves either both or neither.
 3. On any error the claim is released (the row deleted), so a corrected retry with the same key
@@ -40,6 +42,21 @@ IDEMPOTENT_REPLAYED = Header(
 )
 
 
+def request_target() -> bytes:
+    """Return what scopes a key besides its API key: the request's method and path, hashed.
+
+    The path as routed (request.path), without the query: a key belongs to `/v1/pets/7/photos`,
+    not to every animal's photos. Hashed, so the unique index's entries have one small size
+    whatever the path's length.
+    """
+    return target_hash(request.method, request.path)
+
+
+def target_hash(method: str, path: str) -> bytes:
+    # Migration 0007 gives the records stored before it the hash of POST /v1/pets this way.
+    return hashlib.sha256(f"{method} {path}".encode()).digest()
+
+
 def request_fingerprint() -> bytes:
     # Compared as parsed JSON, so key order, spacing and escapes do not count. A body that is not
     # JSON is refused by the view anyway (and the claim released), its bytes are enough here.
@@ -67,7 +84,7 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
         if key is None:
             return view(*args, **kwargs)
         maybe_purge_expired()
-        claimed = claim(g.api_key.id, key, request_fingerprint())
+        claimed = claim(g.api_key.id, request_target(), key, request_fingerprint())
         if not isinstance(claimed, Claim):
             return claimed
         g.idempotency_claim = claimed

@@ -31,8 +31,9 @@ class Claim:
     token: str
 
 
-def claim(api_key_id: int, key: str, fingerprint: bytes) -> Claim | Response:
-    """Return our claim on the key, or the answer for a request that finds it taken."""
+def claim(api_key_id: int, target: bytes, key: str, fingerprint: bytes) -> Claim | Response:
+    """Return our claim on the key of this API key and request target (method and path), or the
+    answer for a request that finds it taken."""
     now = datetime.now(UTC)
     config = settings(current_app)
     # A few rounds at most: each one only repeats after another request released, expired or
@@ -41,6 +42,7 @@ def claim(api_key_id: int, key: str, fingerprint: bytes) -> Claim | Response:
         token = secrets.token_hex(16)
         record = IdempotencyRecord(
             api_key_id=api_key_id,
+            target_hash=target,
             key=key,
             fingerprint=fingerprint,
             claim=token,
@@ -57,7 +59,9 @@ def claim(api_key_id: int, key: str, fingerprint: bytes) -> Claim | Response:
             db.session.rollback()
         existing = db.session.scalar(
             db.select(IdempotencyRecord).where(
-                IdempotencyRecord.api_key_id == api_key_id, IdempotencyRecord.key == key
+                IdempotencyRecord.api_key_id == api_key_id,
+                IdempotencyRecord.target_hash == target,
+                IdempotencyRecord.key == key,
             )
         )
         if existing is None:

@@ -1,0 +1,162 @@
+"""A throwaway second resource, `categories`, written as docs/development.rst (Adding a resource)
+says: a model, its schemas, its statements and its views, declared and nothing more. No code here
+authenticates, limits, scopes idempotency keys, names header components, orders ids, answers a
+duplicate or allows a browser's method: the layer does (tests/test_second_resource.py).
+
+Two departures, both because it lives in the tests: its model has a MetaData of its own, since the
+app's must stay exactly what the migrations build (tests/test_migrations.py); and its table is made
+by make_table(), which does what its migration would (create the table, then keyset.order_ids).
+"""
+
+import orjson
+import sqlalchemy as sa
+from flask import make_response, url_for
+from marshmallow import EXCLUDE, Schema, fields, validate
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from animal_store import errors, keyset, store
+from animal_store.answers import json_response
+from animal_store.api import Blueprint, Header
+from animal_store.extensions import db
+from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
+from animal_store.models import Int64Id
+from animal_store.pagination import next_page_link, next_page_query
+from animal_store.schemas import INT64_MAX, Cursor, Int64, QueryInteger
+
+
+# The model (models.py in a real resource).
+class Base(DeclarativeBase):
+    metadata = sa.MetaData()
+
+
+class Category(Base):
+    __tablename__ = "categories"
+
+    # No identity: on PostgreSQL the keyset trigger takes ids in order (keyset.py).
+    id: Mapped[int] = mapped_column(Int64Id, primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(100), unique=True)
+    order_xid: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+
+
+TABLE = Category.__table__
+
+
+def make_table(connection: sa.Connection) -> None:
+    """Do what the resource's migration would: create the table, then order its ids."""
+    Base.metadata.create_all(connection)
+    keyset.order_ids(connection, TABLE.name)
+
+
+def drop_table(connection: sa.Connection) -> None:
+    Base.metadata.drop_all(connection)
+
+
+# The wire format (schemas.py).
+class CategorySchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    id = Int64(dump_only=True, required=True)
+    name = fields.String(required=True, validate=validate.Length(min=1, max=100))
+
+
+class CategoryQuerySchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
+    cursor = Cursor(metadata={"type": "string"})
+
+
+# The statements (store.py).
+CATEGORY_ROW = sa.select(TABLE.c.id, TABLE.c.name)
+LIST_PAGE = (
+    CATEGORY_ROW.add_columns(keyset.settled(TABLE))
+    .where(TABLE.c.id > sa.bindparam("after"))
+    .order_by(TABLE.c.id)
+    .limit(sa.bindparam("limit"))
+)
+CATEGORY_BY_ID = CATEGORY_ROW.where(TABLE.c.id == sa.bindparam("category_id"))
+INSERT_CATEGORY = sa.insert(TABLE).returning(TABLE.c.id)
+DELETE_CATEGORY = sa.delete(TABLE).where(TABLE.c.id == sa.bindparam("category_id"))
+
+
+# The resource (a module like pets.py).
+bp = Blueprint("categories", __name__)
+# Ids are positive int64: any other path is 404 before the view runs.
+CATEGORY_PATH = f"/categories/<int(min=1, max={INT64_MAX}):category_id>"
+
+category_schema = CategorySchema()
+categories_schema = CategorySchema(many=True)
+category_query_schema = CategoryQuerySchema()
+
+LOCATION = Header(
+    "Location",
+    "The absolute URL of the new category.",
+    {"type": "string", "format": "uri"},
+    required=True,
+)
+
+
+@bp.route("/categories", methods=["GET"])
+@bp.doc(operationId="listCategories")
+@bp.arguments(category_query_schema, location="query")
+@bp.response(200, categories_schema, description="A page of categories.")
+def list_categories(query):
+    """List categories, a page at a time, in ascending id order."""
+    limit = query["limit"]
+    after = query["cursor"].last_id if "cursor" in query else 0
+    rows = store.read_page(LIST_PAGE, {"after": after, "limit": limit + 1}, TABLE)
+    shown = keyset.settled_prefix(rows)[:limit]
+    response = json_response(orjson.dumps(categories_schema.dump(shown)))
+    # A row past the page, or one not settled yet: the walk goes on after the last one shown.
+    if len(rows) > len(shown):
+        last_id = shown[-1]["id"] if shown else after
+        response.headers["Link"] = next_page_link(next_page_query(last_id, limit, None))
+    return response
+
+
+@bp.route("/categories", methods=["POST"])
+@bp.doc(operationId="createCategory")
+@bp.errors(errors.ALREADY_EXISTS)
+@bp.arguments(category_schema)
+@bp.response(
+    201,
+    category_schema,
+    description="The new category.",
+    headers={"Location": LOCATION, "Idempotent-Replayed": IDEMPOTENT_REPLAYED},
+)
+@idempotent
+def create_category(category):
+    """Add a category; its name is unique."""
+    category["id"] = db.session.connection().execute(INSERT_CATEGORY, category).scalar_one()
+    location = url_for(".get_category", category_id=category["id"], _external=True)
+    response = make_response(category_schema.dump(category), 201, {"Location": location})
+    remember(response)
+    db.session.commit()
+    return response
+
+
+@bp.route(CATEGORY_PATH, methods=["GET"])
+@bp.doc(operationId="getCategory")
+@bp.errors(errors.NOT_FOUND)
+@bp.response(200, category_schema, description="The category.")
+def get_category(category_id):
+    """Get a category."""
+    rows = store.read(CATEGORY_BY_ID, {"category_id": category_id})
+    if not rows:
+        raise errors.NOT_FOUND(path=f"/v1/categories/{category_id}")
+    return rows[0]
+
+
+@bp.route(CATEGORY_PATH, methods=["DELETE"])
+@bp.doc(operationId="deleteCategory")
+@bp.errors(errors.NOT_FOUND)
+@bp.response(204, description="Deleted.")
+def delete_category(category_id):
+    """Delete a category: a method pets do not have, which browsers may then use too."""
+    deleted = db.session.execute(DELETE_CATEGORY, {"category_id": category_id}).rowcount
+    if deleted != 1:
+        raise errors.NOT_FOUND(path=f"/v1/categories/{category_id}")
+    db.session.commit()
+    return ""
