@@ -1,9 +1,13 @@
 """The parser of what views take (webargs'), with the API's answers and a memo of queries."""
 
 import threading
+from collections.abc import Mapping
+from typing import Any, NoReturn, cast
 
 from cachetools import LRUCache
-from flask import request
+from flask import Request, request
+from marshmallow import Schema, ValidationError
+from webargs._types import ArgMap  # what a parser takes; webargs names it only there
 from webargs.flaskparser import FlaskParser
 
 from animal_store import errors
@@ -18,13 +22,21 @@ class ArgumentsParser(FlaskParser):
     # Query strings whose arguments a worker remembers, least recently used dropped first.
     KNOWN_QUERIES = 1024
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.queries = LRUCache(self.KNOWN_QUERIES)
+        # {(id of the schema, query string): its arguments as the schema loaded them}
+        self.queries: LRUCache[tuple[int, bytes], dict[str, Any]] = LRUCache(self.KNOWN_QUERIES)
         # The development server serves each request on a thread of its own.
         self.lock = threading.Lock()
 
-    def parse(self, argmap, req=None, *, location=None, **kwargs):
+    def parse(
+        self,
+        argmap: ArgMap[Request],
+        req: Request | None = None,
+        *,
+        location: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Parse as webargs does; a query's arguments, a function of its text alone, only the
         first time a worker sees that text (a walk's pages and a client's polls repeat theirs)."""
         if location != "query":
@@ -38,17 +50,25 @@ class ArgumentsParser(FlaskParser):
                 self.queries[key] = parsed
         return dict(parsed)  # the view's own copy
 
-    def load_querystring(self, req, schema):
+    def load_querystring(self, req: Request, schema: Schema) -> Any:
         # The query as Werkzeug parsed it, whose get() is a parameter's first value: what a
         # schema of single-valued fields reads, without webargs' per-request proxy around it.
         return req.args
 
-    def load_json(self, req, schema):
+    def load_json(self, req: Request, schema: Schema) -> Any:
         return json_object_body()
 
-    def handle_error(self, error, req, schema, *, error_status_code, error_headers):
-        # webargs files the messages under the location they come from.
-        ((location, messages),) = error.messages.items()
+    def handle_error(
+        self,
+        error: ValidationError,
+        req: Request,
+        schema: Schema,
+        *,
+        error_status_code: int | None,
+        error_headers: Mapping[str, str] | None,
+    ) -> NoReturn:
+        # webargs files the messages under the location they come from: always a dict.
+        ((location, messages),) = cast(dict[str, Any], error.messages).items()
         raise errors.VALIDATION_ERROR(
             errors=messages,
             where=self.LOCATION_NAMES[location],

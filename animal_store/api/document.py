@@ -1,16 +1,28 @@
 """The OpenAPI document: flask-smorest's Api and plugin set up for /v1, and the hook that adds to
 each operation what the layer gives it."""
 
+from collections.abc import Iterable, Mapping
 from email.utils import format_datetime
+from typing import TYPE_CHECKING, Any, cast
 
 import flask_smorest
 import flask_smorest.spec.plugins
+from apispec import APISpec
+from apispec.ext.marshmallow.openapi import OpenAPIConverter
+from flask import Flask
 from flask_smorest.spec.plugins import RE_URL
+from marshmallow import fields
+from werkzeug.routing import Rule
 
 from animal_store import errors
+from animal_store.api.declarations import OperationDoc
 from animal_store.api.headers import DEPRECATION_HEADERS, ERROR_HEADERS, RATE_LIMIT_HEADERS, Header
 from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE
 from animal_store.schemas import EnumField, ErrorSchema, Int64
+
+if TYPE_CHECKING:
+    # Only for its type: settings_schema imports this package (BASE_PATH).
+    from animal_store.settings_schema import Deprecation
 
 API_VERSION = "1.0.0"
 
@@ -36,16 +48,16 @@ class FlaskPlugin(flask_smorest.spec.plugins.FlaskPlugin):
     as the body's fields are (`category_id`, `categoryId`).
     """
 
-    def __init__(self, base_path: str):
+    def __init__(self, base_path: str) -> None:
         super().__init__()
         self.base_path = base_path
 
-    def flaskpath2openapi(self, path):
+    def flaskpath2openapi(self, path: str) -> str:
         return RE_URL.sub(
             lambda match: f"{{{camel_case(match[1])}}}", path.removeprefix(self.base_path)
         )
 
-    def rule_to_params(self, rule):
+    def rule_to_params(self, rule: Rule) -> list[dict[str, Any]]:
         return [
             {**param, "name": camel_case(param["name"])} for param in super().rule_to_params(rule)
         ]
@@ -62,16 +74,16 @@ class Api(flask_smorest.Api):
     DEFAULT_ERROR_RESPONSE_NAME = None
     ERROR_SCHEMA = ErrorSchema
 
-    def _register_error_handlers(self):
+    def _register_error_handlers(self) -> None:
         errors.register_error_handlers(self._app)
 
-    def _register_pagination_header(self):
+    def _register_pagination_header(self) -> None:
         # Our pages are walked with Link headers (pagination.py), not flask-smorest's pagination:
         # its header would bring a schema of its own into the document.
         pass
 
 
-def make_api(app, base_path: str) -> Api:
+def make_api(app: Flask, base_path: str) -> Api:
     """Make the app's flask-smorest Api, whose document describes the paths under base_path."""
     api = Api(
         app,
@@ -91,7 +103,8 @@ def make_api(app, base_path: str) -> Api:
     api.register_field(Int64, "integer", "int64")
     # Its type is in its component: the field itself is only the reference (enum_reference).
     api.register_field(EnumField, None, None)
-    api.ma_plugin.converter.add_attribute_function(enum_reference)
+    # Made when the Api was given its app, just above.
+    cast(OpenAPIConverter, api.ma_plugin.converter).add_attribute_function(enum_reference)
     api.spec.components.security_scheme(
         "bearerAuth",
         {
@@ -105,14 +118,24 @@ def make_api(app, base_path: str) -> Api:
     return api
 
 
-def enum_reference(self, field, **kwargs) -> dict:
+def enum_reference(
+    self: OpenAPIConverter, field: fields.Field[Any], **kwargs: Any
+) -> dict[str, Any]:
     # An enum field is its one schema component, so generated clients have one type for it.
     if isinstance(field, EnumField):
         return {"$ref": f"#/components/schemas/{field.component}"}
     return {}
 
 
-def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
+def document_layer(
+    doc: dict[str, Any],
+    doc_info: OperationDoc,
+    *,
+    app: Flask,
+    spec: APISpec,
+    method: str,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Add to an operation what the layer gives it, and the errors and headers it declared."""
     public_view = doc_info.get("public", False)
     if public_view:
@@ -149,14 +172,16 @@ def document_layer(doc, doc_info, *, app, spec, method, **kwargs) -> dict:
     return doc
 
 
-def error_description(kinds) -> str:
-    codes = {}
+def error_description(kinds: Iterable[errors.ErrorKind]) -> str:
+    codes: dict[str, list[str]] = {}
     for kind in kinds:
         codes.setdefault(kind.code, []).append(kind.when.rstrip("."))
     return " ".join(f"`{code}`: {'; '.join(whens)}." for code, whens in codes.items())
 
 
-def header_references(spec, headers: dict, doc_info: dict) -> dict:
+def header_references(
+    spec: APISpec, headers: Mapping[str, Header | dict[str, Any]], doc_info: OperationDoc
+) -> dict[str, str | dict[str, Any]]:
     """Register each Header as a component (once) and refer to it by its component name.
 
     Headers with the same name and the same description share one component. One whose
@@ -164,7 +189,7 @@ def header_references(spec, headers: dict, doc_info: dict) -> dict:
     own, named for its resource (`CategoriesLocation`) or else its operation
     (`CreateCategoryLocation`): the first one registered never describes another's header.
     """
-    references = {}
+    references: dict[str, str | dict[str, Any]] = {}
     for name, header in headers.items():
         if not isinstance(header, Header):
             references[name] = header
@@ -173,7 +198,7 @@ def header_references(spec, headers: dict, doc_info: dict) -> dict:
     return references
 
 
-def header_component(spec, header: Header, doc_info: dict) -> str:
+def header_component(spec: APISpec, header: Header, doc_info: OperationDoc) -> str:
     described = header.spec()
     base = header.component or header.name
     operation_id = doc_info.get("manual_doc", {}).get("operationId")
@@ -199,7 +224,7 @@ def pascal_case(name: str) -> str:
     return "".join(word[:1].upper() + word[1:] for word in name.replace("-", "_").split("_"))
 
 
-def deprecation_note(deprecation) -> str:
+def deprecation_note(deprecation: "Deprecation") -> str:
     return (
         f"Deprecated since {deprecation['since']:%Y-%m-%d}; removed on "
         f"{deprecation['sunset']:%Y-%m-%d} (`Sunset: "

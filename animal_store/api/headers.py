@@ -1,6 +1,7 @@
 """Response headers as the OpenAPI document describes them, and those the layer itself sets."""
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -9,12 +10,14 @@ class Header:
 
     name: str
     description: str
-    schema: dict
+    # An OpenAPI fragment, as the document's other parts from flask-smorest and apispec are:
+    # dict[str, Any] throughout the layer, apispec having no types for them.
+    schema: dict[str, Any]
     required: bool = False
     # Its name among the document's header components, when two headers share a name.
     component: str | None = None
 
-    def spec(self) -> dict:
+    def spec(self) -> dict[str, Any]:
         return {
             key: value for key, value in asdict(self).items() if key not in ("name", "component")
         }

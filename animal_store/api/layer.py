@@ -1,6 +1,9 @@
 """The /v1 layer put together: the resources registered under it, its policies hooked on, and
 the document built."""
 
+from collections.abc import Iterable
+
+import flask
 from flask_cors import CORS
 
 from animal_store import rate_limits
@@ -14,7 +17,7 @@ BASE_PATH = "/v1"
 LAYER = "v1"
 
 
-def register_api(app, resources) -> Policies:
+def register_api(app: flask.Flask, resources: Iterable[flask.Blueprint]) -> Policies:
     """Serve the resources under /v1 with everything the layer gives, and build the document;
     return the layer's policies."""
     api = make_api(app, BASE_PATH)
@@ -35,13 +38,13 @@ def register_api(app, resources) -> Policies:
     return policies
 
 
-def layer_methods(app) -> list[str]:
+def layer_methods(app: flask.Flask) -> list[str]:
     """The methods the layer's routes allow, all of them together: what a page may use.
 
     Derived, so a new operation is reachable from browsers as soon as it is registered; a
     preflight for a method its path lacks is allowed, and the request then gets 405 with Allow.
     """
-    methods = set()
+    methods: set[str] = set()
     for rule in app.url_map.iter_rules():
         if rule.endpoint.startswith(f"{LAYER}."):
             methods |= rule.methods or set()

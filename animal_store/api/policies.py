@@ -2,12 +2,17 @@
 headers every answer of the layer gets."""
 
 from email.utils import format_datetime
+from typing import TYPE_CHECKING
 
-from flask import current_app, g, request
+from flask import Flask, Response, current_app, g, request
 
 from animal_store import rate_limits
 from animal_store.api.declarations import view_doc
 from animal_store.auth import authenticate
+
+if TYPE_CHECKING:
+    # Only for its type: settings_schema imports this package (BASE_PATH).
+    from animal_store.settings_schema import Deprecation
 
 # The scope an API key needs for an operation, by its method: reads need `read`, the rest
 # `write` (auth.SCOPES).
@@ -26,11 +31,13 @@ class Policies:
         self.limiter = limiter
         # The layer's blueprint name: its views' endpoints start with it.
         self.layer = layer
-        self.protected = frozenset()
+        self.protected: frozenset[str] = frozenset()
         self.vary_origin = False
-        self.deprecated = {}
+        # Keyed as request.endpoint is typed (None before routing), so a request looks its
+        # endpoint up as it is.
+        self.deprecated: dict[str | None, dict[str, str]] = {}
 
-    def collect(self, app) -> None:
+    def collect(self, app: Flask) -> None:
         views = {
             endpoint: view_doc(view)
             for endpoint, view in app.view_functions.items()
@@ -49,7 +56,7 @@ class Policies:
         """Tell whether this request is for a view of the layer that only key holders may use."""
         return request.endpoint in self.protected and request.method != "OPTIONS"
 
-    def admit(self):
+    def admit(self) -> Response | None:
         """Answer OPTIONS, which never needs a key; check the key of a request that does, then
         count the request against the key's rate limit.
 
@@ -71,11 +78,11 @@ class Policies:
             )
         return None
 
-    def add_headers(self, response):
+    def add_headers(self, response: Response) -> Response:
         """Give every answer of a counted request the RateLimit-* headers, and of a deprecated
         view the deprecation headers, errors included (RFC 9745, RFC 8594); say that answers vary
         by Origin while CORS origins are listed."""
-        window = g.get("rate_limit_window")
+        window: rate_limits.Window | None = g.get("rate_limit_window")
         if window is not None:
             # Added, not set: no answer of a counted request has them yet (a 429 has no window),
             # and a set searches the headers for each one first.
@@ -90,7 +97,7 @@ class Policies:
         return response
 
 
-def deprecation_headers(deprecation) -> dict:
+def deprecation_headers(deprecation: "Deprecation") -> dict[str, str]:
     return {
         "Deprecation": f"@{int(deprecation['since'].timestamp())}",
         "Sunset": format_datetime(deprecation["sunset"], usegmt=True),

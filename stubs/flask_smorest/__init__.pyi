@@ -1,5 +1,5 @@
 # flask-smorest ships no type hints and no stub package exists: these are the parts the API layer
-# (animal_store/api.py) and the resources use, as flask-smorest 0.47 defines them.
+# (animal_store/api/) and the resources use, as flask-smorest 0.47 defines them.
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
