@@ -2,6 +2,7 @@
 each operation what the layer gives it."""
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from email.utils import format_datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -160,6 +161,14 @@ def document_layer(
     for status in sorted({kind.status for kind in kinds}):
         of_status = [kind for kind in kinds if kind.status == status]
         headers = {name: ERROR_HEADERS[name] for kind in of_status for name in kind.headers}
+        # A header only some kinds of this status send (Retry-After of an Idempotency-Key in
+        # use, beside a 409 for a duplicate) is not required of every answer with it.
+        headers = {
+            name: header
+            if all(name in kind.headers for kind in of_status)
+            else replace(header, required=False, component=f"Optional{header.name}")
+            for name, header in headers.items()
+        }
         if status not in ROUTING_ERRORS:
             headers.update({header.name: header for header in shared})
         response = {
