@@ -1,38 +1,38 @@
-"""Nothing outside pets.py assumes pets: a second resource (tests/categories.py), registered as
+"""Nothing outside pets.py assumes pets: a second resource (tests/widgets.py), registered as
 docs/development.rst says, gets from the layer with no code of its own: Idempotency-Keys scoped to
 its path, its headers documented with its own descriptions, pages ordered and exact by the keyset
 mechanism, a duplicate answered as an error object, and its methods allowed to browsers."""
 
-import categories
 import psycopg
 import pytest
 import sqlalchemy as sa
+import widgets
 from openapi_spec_validator import validate
 
 from animal_store import RESOURCES, keyset, pets
 from animal_store.extensions import db
 
-WITH_CATEGORIES = (*RESOURCES, categories.bp)
+WITH_WIDGETS = (*RESOURCES, widgets.bp)
 SHOP = "https://shop.example"
-# Valid for both resources: categories ignore categoryId.
+# Valid for both resources: widgets ignore categoryId.
 BODY = {"name": "Rex", "categoryId": 1}
 
 
 @pytest.fixture
 def app(make_app):
-    app = make_app(resources=WITH_CATEGORIES)
+    app = make_app(resources=WITH_WIDGETS)
     with app.app_context(), db.engine.begin() as connection:
-        categories.make_table(connection)
+        widgets.make_table(connection)
     yield app
     with app.app_context(), db.engine.begin() as connection:
-        categories.drop_table(connection)
+        widgets.drop_table(connection)
 
 
 @pytest.fixture
-def count_categories(app):
+def count_widgets(app):
     def count():
         with app.app_context():
-            return db.session.scalar(sa.select(sa.func.count()).select_from(categories.TABLE))
+            return db.session.scalar(sa.select(sa.func.count()).select_from(widgets.TABLE))
 
     return count
 
@@ -45,31 +45,31 @@ def assert_error_object(response, status, code):
     assert body["message"]
 
 
-def category_ids(client, auth, url):
+def widget_ids(client, auth, url):
     """Walk the list from url; return the ids in the order seen and the number of pages."""
     seen, pages = [], 0
     while url is not None:
         response = client.get(url, headers=auth)
         assert response.status_code == 200
-        seen += [category["id"] for category in response.get_json()]
+        seen += [widget["id"] for widget in response.get_json()]
         pages += 1
         link = response.headers.get("Link")
         url = link.split(">")[0].split("localhost", 1)[1] if link else None
     return seen, pages
 
 
-@pytest.mark.parametrize("first", ["/v1/pets", "/v1/categories"])
+@pytest.mark.parametrize("first", ["/v1/pets", "/v1/widgets"])
 def test_the_same_key_and_body_on_two_paths_never_replay_each_other(
-    client, auth, count_pets, count_categories, first
+    client, auth, count_pets, count_widgets, first
 ):
     headers = auth | {"Idempotency-Key": "shared-key"}
-    paths = sorted({"/v1/pets", "/v1/categories"}, key=lambda path: path != first)
+    paths = sorted({"/v1/pets", "/v1/widgets"}, key=lambda path: path != first)
     made = {path: client.post(path, json=BODY, headers=headers) for path in paths}
     for path, response in made.items():
         assert response.status_code == 201
         assert "Idempotent-Replayed" not in response.headers
         assert response.headers["Location"].startswith(f"http://localhost{path}/")
-    assert (count_pets(), count_categories()) == (1, 1)
+    assert (count_pets(), count_widgets()) == (1, 1)
     # Each path replays its own answer to a retry, and refuses its key with another body.
     for path, response in made.items():
         again = client.post(path, json=BODY, headers=headers)
@@ -79,7 +79,7 @@ def test_the_same_key_and_body_on_two_paths_never_replay_each_other(
         assert again.headers["Location"] == response.headers["Location"]
         other_body = client.post(path, json=BODY | {"name": "Tom"}, headers=headers)
         assert_error_object(other_body, 422, "idempotency_key_reused")
-    assert (count_pets(), count_categories()) == (1, 1)
+    assert (count_pets(), count_widgets()) == (1, 1)
 
 
 def test_headers_are_documented_with_their_own_descriptions(client):
@@ -91,28 +91,28 @@ def test_headers_are_documented_with_their_own_descriptions(client):
         return document["components"]["headers"][reference["$ref"].rsplit("/", 1)[1]]
 
     assert location("/pets")["description"] == pets.LOCATION.description
-    assert location("/categories")["description"] == categories.LOCATION.description
+    assert location("/widgets")["description"] == widgets.LOCATION.description
     # Headers alike share one component, whichever resource declared them.
     replayed = {
         document["paths"][path]["post"]["responses"]["201"]["headers"]["Idempotent-Replayed"][
             "$ref"
         ]
-        for path in ("/pets", "/categories")
+        for path in ("/pets", "/widgets")
     }
     assert len(replayed) == 1
 
 
-def test_pages_are_in_id_order_and_see_each_category_once(client, auth):
-    names = [f"Category {n}" for n in range(5)]
+def test_pages_are_in_id_order_and_see_each_widget_once(client, auth):
+    names = [f"Widget {n}" for n in range(5)]
     made = [
-        client.post("/v1/categories", json={"name": name}, headers=auth).get_json()["id"]
+        client.post("/v1/widgets", json={"name": name}, headers=auth).get_json()["id"]
         for name in names
     ]
-    assert client.get(f"/v1/categories/{made[2]}", headers=auth).get_json() == {
+    assert client.get(f"/v1/widgets/{made[2]}", headers=auth).get_json() == {
         "id": made[2],
         "name": names[2],
     }
-    seen, pages = category_ids(client, auth, "/v1/categories?limit=2")
+    seen, pages = widget_ids(client, auth, "/v1/widgets?limit=2")
     assert seen == sorted(made)
     assert pages == 3
 
@@ -128,50 +128,50 @@ def postgres_url(app):
 
 def test_its_ids_are_taken_by_the_keyset_trigger(app, postgres_url):
     with app.app_context(), db.engine.connect() as connection:
-        assert "categories" in set(connection.scalars(keyset.KEYSET_TABLES))
+        assert "widgets" in set(connection.scalars(keyset.KEYSET_TABLES))
 
 
-def test_a_page_stops_before_a_category_still_in_flight(client, auth, postgres_url):
-    first = client.post("/v1/categories", json={"name": "First"}, headers=auth).get_json()["id"]
+def test_a_page_stops_before_a_widget_still_in_flight(client, auth, postgres_url):
+    first = client.post("/v1/widgets", json={"name": "First"}, headers=auth).get_json()["id"]
     with psycopg.connect(postgres_url) as in_flight:
         late = in_flight.execute(
-            "INSERT INTO categories (name) VALUES ('Late') RETURNING id"
+            "INSERT INTO widgets (name) VALUES ('Late') RETURNING id"
         ).fetchone()[0]
-        quick = client.post("/v1/categories", json={"name": "Quick"}, headers=auth)
+        quick = client.post("/v1/widgets", json={"name": "Quick"}, headers=auth)
         assert quick.get_json()["id"] > late
-        response = client.get("/v1/categories?limit=10", headers=auth)
+        response = client.get("/v1/widgets?limit=10", headers=auth)
         # The quick one is committed, but shown only after the one in flight below it.
-        assert [category["id"] for category in response.get_json()] == [first]
+        assert [widget["id"] for widget in response.get_json()] == [first]
         assert "Link" in response.headers
         in_flight.commit()
-    seen, _ = category_ids(client, auth, "/v1/categories?limit=10")
+    seen, _ = widget_ids(client, auth, "/v1/widgets?limit=10")
     assert seen == [first, late, quick.get_json()["id"]]
 
 
 @pytest.mark.parametrize("idempotency_key", [None, "duplicate"])
 def test_a_duplicate_name_is_an_error_object_and_changes_nothing(
-    client, auth, count_categories, idempotency_key
+    client, auth, count_widgets, idempotency_key
 ):
-    made = client.post("/v1/categories", json={"name": "Cats"}, headers=auth)
+    made = client.post("/v1/widgets", json={"name": "Cats"}, headers=auth)
     assert made.status_code == 201
     headers = auth | ({"Idempotency-Key": idempotency_key} if idempotency_key else {})
     for _ in range(2):  # a retry with the same key runs again: the error was not remembered
-        duplicate = client.post("/v1/categories", json={"name": "Cats"}, headers=headers)
+        duplicate = client.post("/v1/widgets", json={"name": "Cats"}, headers=headers)
         assert_error_object(duplicate, 409, "already_exists")
         assert "Idempotent-Replayed" not in duplicate.headers
-    assert count_categories() == 1
-    assert client.get("/v1/categories", headers=auth).get_json() == [made.get_json()]
+    assert count_widgets() == 1
+    assert client.get("/v1/widgets", headers=auth).get_json() == [made.get_json()]
     # The session was rolled back: the next creation, on the same worker, goes through.
-    other = client.post("/v1/categories", json={"name": "Dogs"}, headers=headers)
+    other = client.post("/v1/widgets", json={"name": "Dogs"}, headers=headers)
     assert other.status_code == 201
-    assert count_categories() == 2
+    assert count_widgets() == 2
 
 
 def test_a_duplicate_is_documented_as_409(client):
     document = client.get("/v1/openapi.json").get_json()
     assert (
         "`already_exists`"
-        in document["paths"]["/categories"]["post"]["responses"]["409"]["description"]
+        in document["paths"]["/widgets"]["post"]["responses"]["409"]["description"]
     )
 
 
@@ -189,16 +189,16 @@ def layer_methods(app):
 
 
 def test_browsers_may_use_its_methods(app, make_app, auth):
-    cors_app = make_app(resources=WITH_CATEGORIES, CORS_ORIGINS=[SHOP])
+    cors_app = make_app(resources=WITH_WIDGETS, CORS_ORIGINS=[SHOP])
     client = cors_app.test_client()
     asking = {"Origin": SHOP, "Access-Control-Request-Method": "DELETE"}
-    preflight = client.options("/v1/categories/1", headers=asking)
+    preflight = client.options("/v1/widgets/1", headers=asking)
     assert preflight.status_code == 204
     assert preflight.headers["Access-Control-Allow-Origin"] == SHOP
     allowed = header_set(preflight.headers["Access-Control-Allow-Methods"])
     assert allowed == layer_methods(cors_app)
     assert "DELETE" in allowed
-    made = client.post("/v1/categories", json={"name": "Gone"}, headers=auth | {"Origin": SHOP})
+    made = client.post("/v1/widgets", json={"name": "Gone"}, headers=auth | {"Origin": SHOP})
     deleted = client.delete(made.headers["Location"], headers=auth | {"Origin": SHOP})
     assert deleted.status_code == 204
     assert deleted.headers["Access-Control-Allow-Origin"] == SHOP

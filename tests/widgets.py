@@ -1,4 +1,4 @@
-"""A throwaway second resource, `categories`, written as docs/development.rst (Adding a resource)
+"""A throwaway second resource, `widgets`, written as docs/development.rst (Adding a resource)
 says: a model, its schemas, its statements and its views, declared and nothing more. No code here
 authenticates, limits, scopes idempotency keys, names header components, orders ids, answers a
 duplicate or allows a browser's method: the layer does (tests/test_second_resource.py).
@@ -29,8 +29,8 @@ class Base(DeclarativeBase):
     metadata = sa.MetaData()
 
 
-class Category(Base):
-    __tablename__ = "categories"
+class Widget(Base):
+    __tablename__ = "widgets"
 
     # No identity: on PostgreSQL the keyset trigger takes ids in order (keyset.py).
     id: Mapped[int] = mapped_column(Int64Id, primary_key=True)
@@ -38,7 +38,7 @@ class Category(Base):
     order_xid: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
 
 
-TABLE = Category.__table__
+TABLE = Widget.__table__
 
 
 def make_table(connection: sa.Connection) -> None:
@@ -52,7 +52,7 @@ def drop_table(connection: sa.Connection) -> None:
 
 
 # The wire format (schemas.py).
-class CategorySchema(Schema):
+class WidgetSchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
@@ -60,7 +60,7 @@ class CategorySchema(Schema):
     name = fields.String(required=True, validate=validate.Length(min=1, max=100))
 
 
-class CategoryQuerySchema(Schema):
+class WidgetQuerySchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
@@ -69,46 +69,46 @@ class CategoryQuerySchema(Schema):
 
 
 # The statements (store.py).
-CATEGORY_ROW = sa.select(TABLE.c.id, TABLE.c.name)
+WIDGET_ROW = sa.select(TABLE.c.id, TABLE.c.name)
 LIST_PAGE = (
-    CATEGORY_ROW.add_columns(keyset.settled(TABLE))
+    WIDGET_ROW.add_columns(keyset.settled(TABLE))
     .where(TABLE.c.id > sa.bindparam("after"))
     .order_by(TABLE.c.id)
     .limit(sa.bindparam("limit"))
 )
-CATEGORY_BY_ID = CATEGORY_ROW.where(TABLE.c.id == sa.bindparam("category_id"))
-INSERT_CATEGORY = sa.insert(TABLE).returning(TABLE.c.id)
-DELETE_CATEGORY = sa.delete(TABLE).where(TABLE.c.id == sa.bindparam("category_id"))
+WIDGET_BY_ID = WIDGET_ROW.where(TABLE.c.id == sa.bindparam("widget_id"))
+INSERT_WIDGET = sa.insert(TABLE).returning(TABLE.c.id)
+DELETE_WIDGET = sa.delete(TABLE).where(TABLE.c.id == sa.bindparam("widget_id"))
 
 
 # The resource (a module like pets.py).
-bp = Blueprint("categories", __name__)
+bp = Blueprint("widgets", __name__)
 # Ids are positive int64: any other path is 404 before the view runs.
-CATEGORY_PATH = f"/categories/<int(min=1, max={INT64_MAX}):category_id>"
+WIDGET_PATH = f"/widgets/<int(min=1, max={INT64_MAX}):widget_id>"
 
-category_schema = CategorySchema()
-categories_schema = CategorySchema(many=True)
-category_query_schema = CategoryQuerySchema()
+widget_schema = WidgetSchema()
+widgets_schema = WidgetSchema(many=True)
+widget_query_schema = WidgetQuerySchema()
 
 LOCATION = Header(
     "Location",
-    "The absolute URL of the new category.",
+    "The absolute URL of the new widget.",
     {"type": "string", "format": "uri"},
     required=True,
 )
 
 
-@bp.route("/categories", methods=["GET"])
-@bp.doc(operationId="listCategories")
-@bp.arguments(category_query_schema, location="query")
-@bp.response(200, categories_schema, description="A page of categories.")
-def list_categories(query):
-    """List categories, a page at a time, in ascending id order."""
+@bp.route("/widgets", methods=["GET"])
+@bp.doc(operationId="listWidgets")
+@bp.arguments(widget_query_schema, location="query")
+@bp.response(200, widgets_schema, description="A page of widgets.")
+def list_widgets(query):
+    """List widgets, a page at a time, in ascending id order."""
     limit = query["limit"]
     after = query["cursor"].last_id if "cursor" in query else 0
     rows = store.read_page(LIST_PAGE, {"after": after, "limit": limit + 1}, TABLE)
     shown = keyset.settled_prefix(rows)[:limit]
-    response = json_response(orjson.dumps(categories_schema.dump(shown)))
+    response = json_response(orjson.dumps(widgets_schema.dump(shown)))
     # A row past the page, or one not settled yet: the walk goes on after the last one shown.
     if len(rows) > len(shown):
         last_id = shown[-1]["id"] if shown else after
@@ -116,47 +116,47 @@ def list_categories(query):
     return response
 
 
-@bp.route("/categories", methods=["POST"])
-@bp.doc(operationId="createCategory")
+@bp.route("/widgets", methods=["POST"])
+@bp.doc(operationId="createWidget")
 @bp.errors(errors.ALREADY_EXISTS)
-@bp.arguments(category_schema)
+@bp.arguments(widget_schema)
 @bp.response(
     201,
-    category_schema,
-    description="The new category.",
+    widget_schema,
+    description="The new widget.",
     headers={"Location": LOCATION, "Idempotent-Replayed": IDEMPOTENT_REPLAYED},
 )
 @idempotent
-def create_category(category):
-    """Add a category; its name is unique."""
-    category["id"] = db.session.connection().execute(INSERT_CATEGORY, category).scalar_one()
-    location = url_for(".get_category", category_id=category["id"], _external=True)
-    response = make_response(category_schema.dump(category), 201, {"Location": location})
+def create_widget(widget):
+    """Add a widget; its name is unique."""
+    widget["id"] = db.session.connection().execute(INSERT_WIDGET, widget).scalar_one()
+    location = url_for(".get_widget", widget_id=widget["id"], _external=True)
+    response = make_response(widget_schema.dump(widget), 201, {"Location": location})
     remember(response)
     db.session.commit()
     return response
 
 
-@bp.route(CATEGORY_PATH, methods=["GET"])
-@bp.doc(operationId="getCategory")
+@bp.route(WIDGET_PATH, methods=["GET"])
+@bp.doc(operationId="getWidget")
 @bp.errors(errors.NOT_FOUND)
-@bp.response(200, category_schema, description="The category.")
-def get_category(category_id):
-    """Get a category."""
-    rows = store.read(CATEGORY_BY_ID, {"category_id": category_id})
+@bp.response(200, widget_schema, description="The widget.")
+def get_widget(widget_id):
+    """Get a widget."""
+    rows = store.read(WIDGET_BY_ID, {"widget_id": widget_id})
     if not rows:
-        raise errors.NOT_FOUND(path=f"/v1/categories/{category_id}")
+        raise errors.NOT_FOUND(path=f"/v1/widgets/{widget_id}")
     return rows[0]
 
 
-@bp.route(CATEGORY_PATH, methods=["DELETE"])
-@bp.doc(operationId="deleteCategory")
+@bp.route(WIDGET_PATH, methods=["DELETE"])
+@bp.doc(operationId="deleteWidget")
 @bp.errors(errors.NOT_FOUND)
 @bp.response(204, description="Deleted.")
-def delete_category(category_id):
-    """Delete a category: a method pets do not have, which browsers may then use too."""
-    deleted = db.session.execute(DELETE_CATEGORY, {"category_id": category_id}).rowcount
+def delete_widget(widget_id):
+    """Delete a widget: a method pets do not have, which browsers may then use too."""
+    deleted = db.session.execute(DELETE_WIDGET, {"widget_id": widget_id}).rowcount
     if deleted != 1:
-        raise errors.NOT_FOUND(path=f"/v1/categories/{category_id}")
+        raise errors.NOT_FOUND(path=f"/v1/widgets/{widget_id}")
     db.session.commit()
     return ""
