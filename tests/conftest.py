@@ -354,3 +354,12 @@ def page():
         )
         yield page
         browser.close()
+
+
+@pytest.fixture
+def postgres_url(app):
+    """A libpq URL of the test's PostgreSQL database, for transactions the service never runs."""
+    with app.app_context():
+        if db.engine.dialect.name != "postgresql":
+            pytest.skip("PostgreSQL's ordering of ids; SQLite's single writer orders them itself")
+        return db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)

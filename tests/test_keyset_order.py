@@ -173,15 +173,6 @@ def test_walks_stay_exact_while_creations_race(app, make_key, start_gunicorn, ra
     assert set(seen) >= acknowledged.before(time.monotonic())
 
 
-@pytest.fixture
-def postgres_url(app):
-    """A libpq URL of the test's PostgreSQL database, for transactions the service never runs."""
-    with app.app_context():
-        if db.engine.dialect.name != "postgresql":
-            pytest.skip("PostgreSQL's ordering of ids; SQLite's single writer orders them itself")
-        return db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def page_ids(client, auth, url="/v1/pets?limit=10"):
     response = client.get(url, headers=auth)
     assert response.status_code == 200

@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy as sa
 import widgets
 from openapi_spec_validator import validate
+from test_errors import assert_error_object
 
 from animal_store import RESOURCES, keyset, pets
 from animal_store.extensions import db
@@ -35,14 +36,6 @@ def count_widgets(app):
             return db.session.scalar(sa.select(sa.func.count()).select_from(widgets.TABLE))
 
     return count
-
-
-def assert_error_object(response, status, code):
-    assert response.status_code == status
-    assert response.content_type == "application/json"
-    body = response.get_json()
-    assert (body["code"], body["status"]) == (code, status)
-    assert body["message"]
 
 
 def widget_ids(client, auth, url):
@@ -115,15 +108,6 @@ def test_pages_are_in_id_order_and_see_each_widget_once(client, auth):
     seen, pages = widget_ids(client, auth, "/v1/widgets?limit=2")
     assert seen == sorted(made)
     assert pages == 3
-
-
-@pytest.fixture
-def postgres_url(app):
-    """A libpq URL of the test's PostgreSQL database, for transactions the service never runs."""
-    with app.app_context():
-        if db.engine.dialect.name != "postgresql":
-            pytest.skip("PostgreSQL's ordering of ids; SQLite's single writer orders them itself")
-        return db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def test_its_ids_are_taken_by_the_keyset_trigger(app, postgres_url):
