@@ -29,7 +29,6 @@ from flask import current_app
 from flask.cli import with_appcontext
 from sqlalchemy import Engine, func, select, text
 
-from animal_store import keyset
 from animal_store.database import current_revision, head_revision, upgrade_command, uses_database
 from animal_store.extensions import db, settings
 from animal_store.models import ApiKey, Pet
@@ -341,7 +340,5 @@ def after_postgres_restore(engine: Engine) -> None:
     """Make a freshly restored PostgreSQL database ready for the service: the one place for
     whatever a restore needs beyond pg_restore, run once it has succeeded."""
     with engine.begin() as connection:
-        # The restored rows' stamps may be another cluster's transaction ids (keyset.py).
-        keyset.forget_order(connection)
         # pg_restore leaves the planner without statistics until autovacuum comes round.
         connection.execute(text("ANALYZE"))

@@ -52,15 +52,13 @@ class UTCDateTime(TypeDecorator[datetime]):
 class Pet(Model):
     __tablename__ = "pets"
 
-    # No identity: on PostgreSQL a trigger takes ids in order, and stamps order_xid (keyset.py).
+    # No identity: on PostgreSQL a trigger takes ids in order (keyset.py).
     id: Mapped[int] = mapped_column(Int64Id, primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
     category_id: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str | None] = mapped_column(
         Enum(*PET_STATUSES, name="pet_status", native_enum=False, create_constraint=True)
     )
-
-    order_xid: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     # Serves the keyset walk filtered by status: WHERE status = ? AND id > ? ORDER BY id.
     __table_args__ = (Index("ix_pets_status_id", "status", "id"),)

@@ -101,23 +101,21 @@ def pets_after(after: int, limit: int, status: str | None) -> list[PageRow]:
 def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table) -> list[PageRow]:
     """Run a keyset page's read, whose rows say whether they are settled (keyset.settled).
 
-    A row is settled at once when every transaction up to its stamp has ended. Where one has not,
-    maybe a writer of another database or one that took no id, the read asks for the last id
-    taken and the oldest writer in flight (keyset_in_flight: every writer is marked from before
-    its first id until it ends), and reads again, in a snapshot taken after that answer: a row
-    up to that id and stamped below that writer is settled too.
+    The first read takes as settled the rows up to what the app last heard from the database
+    (keyset.known_settled_to). Where a row lies above, the read asks the database again
+    (keyset.ask_settled_to) and reads again, in a snapshot taken after the answer.
     """
     with db.engine.connect() as connection:
-        rows = cast("list[PageRow]", as_dicts(connection.execute(select, values)))
+        known = keyset.known_settled_to(connection, table)
+        rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: known}))
         if all(row["settled"] for row in rows):
-            return rows
-        ids, _ = keyset.sequences(table.name)
-        last_id, oldest = connection.execute(keyset.IN_FLIGHT, {"ids": ids}).one()
-        in_flight = {
-            keyset.LAST_ID: last_id,
-            keyset.OLDEST: keyset.INT64_MAX if oldest is None else oldest,
-        }
-        return cast("list[PageRow]", as_dicts(connection.execute(select, {**values, **in_flight})))
+            return cast("list[PageRow]", rows)
+        answer = keyset.ask_settled_to(connection, table)
+        if answer > known:
+            rows = as_dicts(
+                connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: answer})
+            )
+        return cast("list[PageRow]", rows)
 
 
 def find_pet(pet_id: int) -> PetRow | None:

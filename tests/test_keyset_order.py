@@ -205,7 +205,7 @@ def test_an_older_transaction_that_takes_a_later_id_waits_for_the_lower_one(
     client, auth, postgres_url
 ):
     # The early writer's transaction id is older than the late one's, but its animal's id is
-    # higher: its stamp must cover the late writer still in flight, not be its own id.
+    # higher: the page must wait for the late writer, whatever the order of their transactions.
     with psycopg.connect(postgres_url) as early, psycopg.connect(postgres_url) as late:
         early.execute("SELECT pg_current_xact_id()")
         lower = late.execute(
@@ -241,8 +241,7 @@ def test_a_page_cut_before_its_first_animal_is_empty_with_a_next_link(
 def test_a_writer_that_took_no_id_holds_no_animal_back(
     client, auth, make_pet, postgres_url, same_database
 ):
-    # Its transaction id is older than every animal made meanwhile, and so below their stamps:
-    # the read asks which ids are pending, and none is.
+    # Its transaction holds back the snapshots' xmin, but it took no id, so it has no mark.
     url = postgres_url if same_database else postgres_url.rsplit("/", 1)[0] + "/postgres"
     with psycopg.connect(url) as other:
         other.execute("CREATE TEMPORARY TABLE elsewhere (n int)")  # writes: gets an id
@@ -251,32 +250,55 @@ def test_a_writer_that_took_no_id_holds_no_animal_back(
         other.rollback()
 
 
-def test_stamps_of_another_cluster_slow_walks_down_until_forgotten(
-    app, client, auth, make_pet, postgres_url
-):
-    """As after a pg_restore into another cluster: stamps far above its transaction ids."""
-    from animal_store import keyset
-
-    foreign = 2**62
-    made = [make_pet(), make_pet()]
-    with app.app_context(), db.engine.begin() as connection:
-        connection.execute(sa.text("UPDATE pets SET order_xid = :foreign"), {"foreign": foreign})
-        connection.execute(
-            sa.text("SELECT setval('pets_order_xid_seq', :foreign)"), {"foreign": foreign}
+def test_a_transaction_that_adds_many_animals_holds_one_mark(client, auth, postgres_url):
+    with psycopg.connect(postgres_url) as seeding:
+        seeding.execute(
+            "INSERT INTO pets (name, category_id) SELECT 'Seeded', 1 FROM generate_series(1, 500)"
         )
-    made.append(make_pet())
-    # No stamp is below the snapshot's xmin now, yet no id is pending: all are shown.
-    assert page_ids(client, auth) == (made, None)
-    with app.app_context(), db.engine.begin() as connection:
-        assert keyset.forget_order(connection) == ["pets"]
-        assert connection.scalar(sa.text("SELECT max(order_xid) FROM pets")) == 0
-    made.append(make_pet())
-    with app.app_context(), db.engine.connect() as connection:
-        stamp, xid = connection.execute(
-            sa.text(
-                "SELECT max(order_xid), pg_snapshot_xmax(pg_current_snapshot())::text::bigint "
-                "FROM pets"
-            )
-        ).one()
-    assert 0 < stamp < xid
-    assert page_ids(client, auth) == (made, None)
+        marks = seeding.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ).fetchone()[0]
+        assert marks == 1
+        assert page_ids(client, auth)[0] == []
+        seeding.commit()
+    ids, _ = page_ids(client, auth, "/v1/pets?limit=100")
+    assert ids == list(range(1, 101))
+
+
+def test_a_savepoint_rolled_back_does_not_leave_its_transaction_unmarked(
+    client, auth, make_pet, postgres_url
+):
+    with psycopg.connect(postgres_url) as writer:
+        writer.execute("SAVEPOINT first_try")
+        writer.execute("INSERT INTO pets (name, category_id) VALUES ('Undone', 1)")
+        writer.execute("ROLLBACK TO SAVEPOINT first_try")
+        quick = make_pet(name="Quick")
+        later = writer.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Later', 1) RETURNING id"
+        ).fetchone()[0]
+        quicker = make_pet(name="Quicker")
+        assert quick < later < quicker
+        ids, link = page_ids(client, auth)
+        assert ids == [quick]
+        assert link is not None
+        writer.commit()
+    assert page_ids(client, auth, next_path(link)) == ([later, quicker], None)
+
+
+def test_a_page_of_animals_the_app_knows_are_settled_is_one_statement(app, client, auth, make_pet):
+    made = [make_pet() for _ in range(3)]
+    assert page_ids(client, auth) == (made, None)  # the app asks, and keeps the answer
+    statements = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if "FROM pets" in statement:
+            statements.append(statement)
+
+    with app.app_context():
+        sa.event.listen(db.engine, "before_cursor_execute", count)
+        try:
+            assert page_ids(client, auth) == (made, None)
+            assert page_ids(client, auth, "/v1/pets?limit=2&status=available") is not None
+        finally:
+            sa.event.remove(db.engine, "before_cursor_execute", count)
+    assert len(statements) == 2

@@ -32,6 +32,9 @@ def test_ids_are_64_bit(app, client, auth):
     response = client.post("/v1/pets", json={"name": "Bigger", "categoryId": 1}, headers=auth)
     assert response.get_json()["id"] == 2**63 - 1
     assert client.get(f"/v1/pets/{2**63 - 1}", headers=auth).get_json()["name"] == "Bigger"
+    # Walks reach it too (on PostgreSQL, the last id taken is the largest there is).
+    listed = client.get("/v1/pets", headers=auth)
+    assert listed.get_json()[-1]["id"] == 2**63 - 1
 
 
 def test_downgrade_and_upgrade_round_trip(app):
@@ -121,3 +124,38 @@ def test_0007_goes_down_keeping_the_pets_records_only(app, client, auth):
         upgrade()
     again = client.post("/v1/pets", json=body, headers=headers)
     assert again.headers["Idempotent-Replayed"] == "true"
+
+
+def test_0005_to_0008_take_over_a_populated_table(app, client, auth, make_pet):
+    """From an identity to version 3 (0005 and on), and from version 2 to 3 (0008): the rows keep
+    their ids, every walk shows them, and creations go on after them, on either engine."""
+    from flask_migrate import downgrade, upgrade
+
+    def insert(connection):
+        return connection.scalar(
+            sa.text("INSERT INTO pets (name, category_id) VALUES ('Old', 1) RETURNING id")
+        )
+
+    def ids():
+        response = client.get("/v1/pets?limit=100", headers=auth)
+        assert response.status_code == 200
+        return [pet["id"] for pet in response.get_json()]
+
+    made = [make_pet(), make_pet(), make_pet()]
+    with app.app_context():
+        downgrade(revision="0004")
+        with db.engine.begin() as connection:
+            made.append(insert(connection))
+        upgrade()
+    # No id taken since 0005 set where the sequence goes on: the rows up to it are settled.
+    assert ids() == made == [1, 2, 3, 4]
+    with app.app_context():
+        downgrade(revision="0007")
+        with db.engine.begin() as connection:
+            made.append(insert(connection))
+        upgrade()
+        assert "order_xid" not in {c["name"] for c in db.inspect(db.engine).get_columns("pets")}
+    assert ids() == made == [1, 2, 3, 4, 5]
+    created = client.post("/v1/pets", json={"name": "New", "categoryId": 1}, headers=auth)
+    assert created.get_json()["id"] == 6
+    assert ids() == [*made, 6]

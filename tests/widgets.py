@@ -35,7 +35,6 @@ class Widget(Base):
     # No identity: on PostgreSQL the keyset trigger takes ids in order (keyset.py).
     id: Mapped[int] = mapped_column(Int64Id, primary_key=True)
     name: Mapped[str] = mapped_column(sa.String(100), unique=True)
-    order_xid: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
 
 
 TABLE = Widget.__table__

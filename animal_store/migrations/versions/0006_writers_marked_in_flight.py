@@ -12,8 +12,7 @@ marks: stop every app instance on the database while this runs, and start them o
 
 from alembic import op
 
-from animal_store import keyset
-from animal_store.migrations import keyset_0005
+from animal_store.migrations import keyset_0005, keyset_0006
 
 revision = "0006"
 down_revision = "0005"
@@ -23,8 +22,8 @@ depends_on = None
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(keyset.TAKE_ID_FUNCTION)
-        op.execute(keyset.IN_FLIGHT_FUNCTION)
+        op.execute(keyset_0006.TAKE_ID_FUNCTION)
+        op.execute(keyset_0006.IN_FLIGHT_FUNCTION)
         op.execute("DROP FUNCTION keyset_pending_from(regclass)")
 
 
