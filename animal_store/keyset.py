@@ -134,7 +134,7 @@ def order_ids(connection: sa.Connection, table: str) -> None:
 
     On PostgreSQL it runs order_ids_sql (the table needs the functions migration 0008 made); on
     SQLite there is nothing to do. Dropping the
-    table drops its trigger and sequences with it.
+    table drops its trigger and sequence with it.
     """
     if connection.dialect.name == "postgresql":
         for statement in order_ids_sql(table):
