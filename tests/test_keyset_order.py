@@ -302,3 +302,38 @@ def test_a_page_of_animals_the_app_knows_are_settled_is_one_statement(app, clien
         finally:
             sa.event.remove(db.engine, "before_cursor_execute", count)
     assert len(statements) == 2
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
+def test_a_page_reads_again_after_its_answer_whatever_the_default_isolation(
+    make_app, auth, postgres_url, isolation
+):
+    # A database or role whose default isolation is stricter than READ COMMITTED (ALTER DATABASE
+    # ... SET default_transaction_isolation, here the same setting at connection): the page's
+    # read after its answer must still see every writer the answer says has ended. The lower
+    # writer commits between the page's first read and its question.
+    setting = "-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
+    app = make_app(SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"options": setting}})
+    client = app.test_client()
+    with psycopg.connect(postgres_url) as late, psycopg.connect(postgres_url) as quick:
+        lower = late.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Lower', 1) RETURNING id"
+        ).fetchone()[0]
+        higher = quick.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Higher', 1) RETURNING id"
+        ).fetchone()[0]
+        quick.commit()
+
+        def commit_the_lower_one(conn, cursor, statement, parameters, context, executemany):
+            if statement.startswith("SELECT keyset_settled_to("):
+                late.commit()
+
+        with app.app_context():
+            sa.event.listen(db.engine, "before_cursor_execute", commit_the_lower_one)
+            try:
+                ids, link = page_ids(client, auth)
+            finally:
+                sa.event.remove(db.engine, "before_cursor_execute", commit_the_lower_one)
+    # The answer settles both, so the read after it shows both. The higher one alone, on a last
+    # page, is a walk that never shows the lower one, committed before the page was asked for.
+    assert (ids, link) == ([lower, higher], None)
