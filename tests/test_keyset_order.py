@@ -19,6 +19,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from animal_store import keyset
 from animal_store.extensions import db
 from animal_store.models import PET_STATUSES
 from animal_store.pagination import Position, encode_cursor
@@ -283,6 +284,45 @@ def test_a_savepoint_rolled_back_does_not_leave_its_transaction_unmarked(
         assert link is not None
         writer.commit()
     assert page_ids(client, auth, next_path(link)) == ([later, quicker], None)
+
+
+def test_each_transaction_of_a_connection_is_marked_anew(client, auth, postgres_url):
+    # A pooled connection runs one creation after another: the flag that says its mark is
+    # taken must end with the transaction, or every later one would write unmarked.
+    with psycopg.connect(postgres_url) as writer, psycopg.connect(postgres_url) as quick:
+        first = writer.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('First', 1) RETURNING id"
+        ).fetchone()[0]
+        writer.commit()
+        late = writer.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Late', 1) RETURNING id"
+        ).fetchone()[0]
+        quicker = quick.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Quick', 1) RETURNING id"
+        ).fetchone()[0]
+        quick.commit()
+        ids, link = page_ids(client, auth)
+        assert ids == [first]
+        assert link is not None
+        writer.commit()
+    assert page_ids(client, auth, next_path(link)) == ([late, quicker], None)
+
+
+def test_a_writer_in_flight_is_not_settled_even_alone(make_pet, postgres_url):
+    # Its mark is in place before it takes its id, and no higher: a mark taken after would be
+    # above its own id, and another writer's id taken in between would pass as settled (no
+    # page shows that without a race, so the answer itself is checked).
+    make_pet()
+    ask = "SELECT keyset_settled_to(%s, %s)"
+    with psycopg.connect(postgres_url) as writer, psycopg.connect(postgres_url) as reader:
+        taken = writer.execute(
+            "INSERT INTO pets (name, category_id) VALUES ('Alone', 1) RETURNING id"
+        ).fetchone()[0]
+        settled_to = reader.execute(ask, (keyset.sequence("pets"), keyset.marks("pets"))).fetchone()
+        assert settled_to[0] == taken - 1
+        writer.rollback()
+        settled_to = reader.execute(ask, (keyset.sequence("pets"), keyset.marks("pets"))).fetchone()
+        assert settled_to[0] == taken
 
 
 def test_a_page_of_animals_the_app_knows_are_settled_is_one_statement(app, client, auth, make_pet):
