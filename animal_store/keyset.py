@@ -47,6 +47,10 @@ Subtle points, each relied on:
   more.
 - A reader with no mark of its own asks nothing of the writers: a transaction that writes
   elsewhere, in this database or another, holds nothing back.
+- An app keeps its answers while it runs, and an answer holds while the sequence goes on from
+  where it was: whatever moves it back (a restore of an older backup, TRUNCATE ... RESTART
+  IDENTITY, setval) needs every instance stopped first, as restoring does
+  (docs/operations.rst, Backups).
 - Nothing in a row depends on the cluster it was written in: a restore into another cluster
   needs no step of its own.
 - Version 2 of these functions (migration 0006) stamped each row with the highest transaction id

@@ -103,7 +103,8 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
 
     The first read takes as settled the rows up to what the app last heard from the database
     (keyset.known_settled_to). Where a row lies above, the read asks the database again
-    (keyset.ask_settled_to) and reads again, in a snapshot taken after the answer.
+    (keyset.ask_settled_to) and reads again, in a transaction, and so a snapshot, begun after the
+    answer.
     """
     with db.engine.connect() as connection:
         known = keyset.known_settled_to(connection, table)
@@ -112,6 +113,9 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
             return cast("list[PageRow]", rows)
         answer = keyset.ask_settled_to(connection, table)
         if answer > known:
+            # A transaction of its own: under REPEATABLE READ or SERIALIZABLE (a database's or
+            # role's default) a read in the same one would reuse the snapshot from before.
+            connection.commit()
             rows = as_dicts(
                 connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: answer})
             )
