@@ -8,7 +8,7 @@ its ids through a trigger, and a page shows a row only once it is settled: once 
 that took a lower id has ended.
 
 - The writer's mark. Before a transaction takes its first id from a table, the trigger
-  (`keyset_take_id`, BEFORE INSERT, for each row) reads the last id the sequence gave out and
+  (`<table>_take_id`, BEFORE INSERT, for each row) reads the last id the sequence gave out and
   takes a shared advisory lock whose key holds the next one: the lowest id this writer can get.
   It holds the lock until it ends. It takes no other lock, and waits for no other writer.
 - What a reader asks (`keyset_settled_to`): first the last id taken, then the lowest mark in
@@ -32,10 +32,12 @@ pages while a writer that may have taken a lower id is in flight, about a commit
 Subtle points, each relied on:
 - The id sequence must not cache values (CACHE 1, PostgreSQL's default): cached ids would be
   handed out by each session in its own order, and the last id read would not bound them.
-- One mark a transaction and table, however many rows it adds (a seed adds 10,000): a
+- Two marks at most a transaction and table, however many rows it adds (a seed adds 10,000): a
   transaction-local setting, `keyset.<sequence>`, says the mark is taken, so the lock table's
   room (max_locks_per_transaction) is not at stake. Its later rows' ids are above its first.
-  A savepoint rolled back undoes the setting, and with it the row the mark was for.
+  The mark and the setting belong to the same (sub)transaction: a savepoint rolled back
+  releases the one and undoes the other, with the rows they were for, and the next row marks
+  again.
 - The mark is taken and the setting set within the transaction and nothing outlives it, so
   PgBouncer's transaction pooling is fine.
 - Marks are advisory locks on one-bigint keys: the table's tag (MARK_TAG_BITS bits of a hash of
@@ -71,25 +73,6 @@ INT64_MAX = 2**63 - 1
 MARK_ID_BITS = 40
 MARK_TAG_BITS = 23  # so that a key stays a positive bigint
 MARK_ID_MAX = (1 << MARK_ID_BITS) - 1
-
-TAKE_ID_FUNCTION = f"""
-CREATE OR REPLACE FUNCTION keyset_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    ids regclass := TG_ARGV[0];
-    marked text := 'keyset.' || TG_ARGV[0];
-BEGIN
-    IF current_setting(marked, true) IS DISTINCT FROM 'yes' THEN
-        -- The writer's mark, until it ends: the lowest id it can take, before it takes one.
-        PERFORM pg_advisory_xact_lock_shared(
-            TG_ARGV[1]::bigint + least(coalesce(pg_sequence_last_value(ids), 0), {MARK_ID_MAX - 1})
-            + 1
-        );
-        PERFORM set_config(marked, 'yes', true);
-    END IF;
-    NEW.id := nextval(ids);
-    RETURN NEW;
-END $$
-"""
 
 SETTLED_TO_FUNCTION = f"""
 CREATE FUNCTION keyset_settled_to(ids regclass, marks bigint) RETURNS bigint
@@ -136,21 +119,28 @@ def order_ids(connection: sa.Connection, table: str) -> None:
     """Make a table's ids taken in order, in the connection's transaction: what the migration
     that creates a table walked in keyset pages calls, as `order_ids(op.get_bind(), "table")`.
 
-    On PostgreSQL it runs order_ids_sql (the table needs the functions migration 0008 made); on
-    SQLite there is nothing to do. Dropping the
-    table drops its trigger and sequence with it.
+    On PostgreSQL it runs order_ids_sql (the database needs keyset_settled_to, which migration
+    0008 made); on SQLite there is nothing to do.
     """
     if connection.dialect.name == "postgresql":
         for statement in order_ids_sql(table):
             connection.execute(sa.text(statement))
 
 
+def unorder_ids(connection: sa.Connection, table: str) -> None:
+    """What the same migration's downgrade calls once it has dropped the table: dropping a table
+    drops its trigger and sequence, not the trigger's function."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(sa.text(f"DROP FUNCTION {table}_take_id()"))
+
+
 def order_ids_sql(table: str) -> list[str]:
-    """The statements that make a table's ids taken in order (PostgreSQL; after TAKE_ID_FUNCTION).
+    """The statements that make a table's ids taken in order (PostgreSQL).
 
     The id column keeps its values: its identity or serial default, if it has one, becomes a
     plain sequence that starts where the old one would have gone on (the trigger must be alone in
-    taking ids). Migrations run these: they must keep doing what they do.
+    taking ids). Migrations run these: they must keep doing what they do (when they change, keep
+    the old ones for the migrations that ran them, as migrations/keyset_0006.py does).
     """
     ids = sequence(table)
     # The table name is the code's own, never a request's (here and below).
@@ -174,40 +164,43 @@ def order_ids_sql(table: str) -> list[str]:
             CREATE SEQUENCE {ids} CACHE 1 OWNED BY {table}.id;
             PERFORM setval('{ids}', next_id, false);
         END $$""",  # noqa: S608
-        trigger_sql(table),
+        *take_id_sql(table),
     ]
 
 
-def trigger_sql(table: str) -> str:
-    return (
-        f"CREATE TRIGGER {table}_take_id BEFORE INSERT ON {table} FOR EACH ROW "
-        f"EXECUTE FUNCTION keyset_take_id('{sequence(table)}', '{marks(table)}')"
-    )
+def take_id_sql(table: str) -> list[str]:
+    """The table's trigger, and the function it runs (PostgreSQL).
 
-
-def unorder_ids_sql(table: str) -> list[str]:
-    """The reverse of order_ids_sql: an identity again, going on after the last id taken."""
+    Each table has a function of its own, with its sequence and its marks' keys written in:
+    PL/pgSQL plans them once per session, where read from a trigger's arguments they were looked
+    up on every row, which cost about a tenth of the creations at 64 writers.
+    """
     ids = sequence(table)
+    marked = f"keyset.{ids}"
     return [
-        f"DROP TRIGGER {table}_take_id ON {table}",
-        f"""DO $$
-        DECLARE next_id bigint;
-        BEGIN
-            SELECT greatest(coalesce(pg_sequence_last_value('{ids}'), 0), coalesce(max(id), 0))
-                + 1 INTO next_id FROM {table};
-            DROP SEQUENCE {ids};
-            EXECUTE format(
-                'ALTER TABLE {table} ALTER id ADD GENERATED BY DEFAULT AS IDENTITY (START %s)',
-                next_id
-            );
-        END $$""",  # noqa: S608
+        f"""CREATE OR REPLACE FUNCTION {table}_take_id() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    first_write boolean := pg_current_xact_id_if_assigned() IS NULL;
+BEGIN
+    -- The writer's mark, until it ends: the lowest id it can take, before it takes one. Once
+    -- a transaction, mostly: the setting that says the mark is taken costs as much as the rest
+    -- of this function, so a transaction's first write (its first row here) marks without it,
+    -- and its second row marks again and sets it. Two marks at most.
+    IF first_write OR current_setting('{marked}', true) IS DISTINCT FROM 'yes' THEN
+        PERFORM pg_advisory_xact_lock_shared(
+            {marks(table)} + least(coalesce(pg_sequence_last_value('{ids}'), 0), {MARK_ID_MAX - 1})
+            + 1
+        );
+        IF NOT first_write THEN
+            PERFORM set_config('{marked}', 'yes', true);
+        END IF;
+    END IF;
+    NEW.id := nextval('{ids}');
+    RETURN NEW;
+END $$""",
+        f"CREATE TRIGGER {table}_take_id BEFORE INSERT ON {table} FOR EACH ROW "
+        f"EXECUTE FUNCTION {table}_take_id()",
     ]
-
-
-KEYSET_TABLES = sa.text(
-    "SELECT tgrelid::regclass::text FROM pg_trigger "
-    "WHERE tgfoid = to_regproc('keyset_take_id') ORDER BY 1"
-)
 
 
 def settled(table: sa.Table) -> ColumnElement[bool]:

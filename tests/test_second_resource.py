@@ -10,7 +10,7 @@ import widgets
 from openapi_spec_validator import validate
 from test_errors import assert_error_object
 
-from animal_store import RESOURCES, keyset, pets
+from animal_store import RESOURCES, pets
 from animal_store.extensions import db
 
 WITH_WIDGETS = (*RESOURCES, widgets.bp)
@@ -110,9 +110,16 @@ def test_pages_are_in_id_order_and_see_each_widget_once(client, auth):
     assert pages == 3
 
 
-def test_its_ids_are_taken_by_the_keyset_trigger(app, postgres_url):
-    with app.app_context(), db.engine.connect() as connection:
-        assert "widgets" in set(connection.scalars(keyset.KEYSET_TABLES))
+def test_its_ids_are_taken_by_a_trigger_of_its_own_which_goes_with_the_table(app, postgres_url):
+    triggers = sa.text(
+        "SELECT tgfoid::regproc::text FROM pg_trigger "
+        "WHERE tgrelid = to_regclass('widgets') AND NOT tgisinternal"
+    )
+    with app.app_context(), db.engine.begin() as connection:
+        assert connection.scalars(triggers).all() == ["widgets_take_id"]
+        widgets.drop_table(connection)
+        assert connection.scalar(sa.text("SELECT to_regproc('widgets_take_id')")) is None
+        widgets.make_table(connection)  # for the fixture to drop
 
 
 def test_a_page_stops_before_a_widget_still_in_flight(client, auth, postgres_url):

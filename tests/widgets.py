@@ -47,7 +47,9 @@ def make_table(connection: sa.Connection) -> None:
 
 
 def drop_table(connection: sa.Connection) -> None:
+    """Do what the migration's downgrade would: drop the table, then what ordered its ids."""
     Base.metadata.drop_all(connection)
+    keyset.unorder_ids(connection, TABLE.name)
 
 
 # The wire format (schemas.py).

@@ -3,12 +3,12 @@
 Revision ID: 0008
 Revises: 0007
 
-PostgreSQL: keyset_take_id is replaced in place by version 3 (keyset.py), and keyset_settled_to
-replaces keyset_in_flight. The pets' trigger is made again with its new arguments, and the
-stamps (the `order_xid` column and its sequence) are dropped; ids and their sequence are
-unchanged. The table is locked first, so writers of the old version have ended before the new
-one takes its first id. The two versions read different marks: stop every app instance on the
-database while this runs, and start them on the new code (docs/operations.rst, Database).
+PostgreSQL: the pets' trigger runs a function of its own, pets_take_id (version 3, keyset.py),
+instead of keyset_take_id, and keyset_settled_to replaces keyset_in_flight. The stamps (the
+`order_xid` column and its sequence) are dropped; ids and their sequence are unchanged. The
+table is locked first, so writers of the old version have ended before the new one takes its
+first id. The two versions read different marks: stop every app instance on the database while
+this runs, and start them on the new code (docs/operations.rst, Database).
 
 SQLite: the `order_xid` column is dropped; its single writer orders ids.
 
@@ -32,10 +32,11 @@ def upgrade() -> None:
     if postgresql:
         op.execute("LOCK TABLE pets IN ACCESS EXCLUSIVE MODE")
         op.execute("DROP TRIGGER pets_take_id ON pets")
-        op.execute(keyset.TAKE_ID_FUNCTION)
-        op.execute(keyset.SETTLED_TO_FUNCTION)
+        op.execute("DROP FUNCTION keyset_take_id()")
         op.execute("DROP FUNCTION keyset_in_flight(regclass)")
-        op.execute(keyset.trigger_sql("pets"))
+        op.execute(keyset.SETTLED_TO_FUNCTION)
+        for statement in keyset.take_id_sql("pets"):
+            op.execute(statement)
     # Its stamps' sequence, owned by the column, goes with it.
     with op.batch_alter_table("pets") as batch:
         batch.drop_column(keyset_0006.ORDER_XID)
@@ -46,6 +47,7 @@ def downgrade() -> None:
     if postgresql:
         op.execute("LOCK TABLE pets IN ACCESS EXCLUSIVE MODE")
         op.execute("DROP TRIGGER pets_take_id ON pets")
+        op.execute("DROP FUNCTION pets_take_id()")
     with op.batch_alter_table("pets") as batch:
         batch.add_column(
             sa.Column(keyset_0006.ORDER_XID, sa.BigInteger(), nullable=False, server_default="0")
