@@ -185,12 +185,17 @@ def next_path(link):
     return link.split(">")[0].removeprefix("<").split("localhost", 1)[1]
 
 
+def insert(connection, name):
+    """Add an animal in the connection's transaction, left open; return its id."""
+    return connection.execute(
+        "INSERT INTO pets (name, category_id) VALUES (%s, 1) RETURNING id", (name,)
+    ).fetchone()[0]
+
+
 def test_a_page_stops_before_an_animal_still_in_flight(client, auth, make_pet, postgres_url):
     make_pet(), make_pet()
     with psycopg.connect(postgres_url) as in_flight:
-        late = in_flight.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Late', 1) RETURNING id"
-        ).fetchone()[0]
+        late = insert(in_flight, "Late")
         quick = make_pet(name="Quick")
         assert quick > late
         ids, link = page_ids(client, auth)
@@ -209,12 +214,8 @@ def test_an_older_transaction_that_takes_a_later_id_waits_for_the_lower_one(
     # higher: the page must wait for the late writer, whatever the order of their transactions.
     with psycopg.connect(postgres_url) as early, psycopg.connect(postgres_url) as late:
         early.execute("SELECT pg_current_xact_id()")
-        lower = late.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Lower', 1) RETURNING id"
-        ).fetchone()[0]
-        higher = early.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Higher', 1) RETURNING id"
-        ).fetchone()[0]
+        lower = insert(late, "Lower")
+        higher = insert(early, "Higher")
         early.commit()
         assert higher > lower
         ids, link = page_ids(client, auth)
@@ -228,7 +229,7 @@ def test_a_page_cut_before_its_first_animal_is_empty_with_a_next_link(
     client, auth, make_pet, postgres_url
 ):
     with psycopg.connect(postgres_url) as in_flight:
-        in_flight.execute("INSERT INTO pets (name, category_id) VALUES ('Late', 1)")
+        insert(in_flight, "Late")
         quick = make_pet(name="Quick")
         ids, link = page_ids(client, auth)
         assert ids == []
@@ -271,12 +272,10 @@ def test_a_savepoint_rolled_back_does_not_leave_its_transaction_unmarked(
 ):
     with psycopg.connect(postgres_url) as writer:
         writer.execute("SAVEPOINT first_try")
-        writer.execute("INSERT INTO pets (name, category_id) VALUES ('Undone', 1)")
+        insert(writer, "Undone")
         writer.execute("ROLLBACK TO SAVEPOINT first_try")
         quick = make_pet(name="Quick")
-        later = writer.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Later', 1) RETURNING id"
-        ).fetchone()[0]
+        later = insert(writer, "Later")
         quicker = make_pet(name="Quicker")
         assert quick < later < quicker
         ids, link = page_ids(client, auth)
@@ -290,16 +289,10 @@ def test_each_transaction_of_a_connection_is_marked_anew(client, auth, postgres_
     # A pooled connection runs one creation after another: the flag that says its mark is
     # taken must end with the transaction, or every later one would write unmarked.
     with psycopg.connect(postgres_url) as writer, psycopg.connect(postgres_url) as quick:
-        first = writer.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('First', 1) RETURNING id"
-        ).fetchone()[0]
+        first = insert(writer, "First")
         writer.commit()
-        late = writer.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Late', 1) RETURNING id"
-        ).fetchone()[0]
-        quicker = quick.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Quick', 1) RETURNING id"
-        ).fetchone()[0]
+        late = insert(writer, "Late")
+        quicker = insert(quick, "Quick")
         quick.commit()
         ids, link = page_ids(client, auth)
         assert ids == [first]
@@ -315,9 +308,7 @@ def test_a_writer_in_flight_is_not_settled_even_alone(make_pet, postgres_url):
     make_pet()
     ask = "SELECT keyset_settled_to(%s, %s)"
     with psycopg.connect(postgres_url) as writer, psycopg.connect(postgres_url) as reader:
-        taken = writer.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Alone', 1) RETURNING id"
-        ).fetchone()[0]
+        taken = insert(writer, "Alone")
         settled_to = reader.execute(ask, (keyset.sequence("pets"), keyset.marks("pets"))).fetchone()
         assert settled_to[0] == taken - 1
         writer.rollback()
@@ -356,12 +347,8 @@ def test_a_page_reads_again_after_its_answer_whatever_the_default_isolation(
     app = make_app(SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"options": setting}})
     client = app.test_client()
     with psycopg.connect(postgres_url) as late, psycopg.connect(postgres_url) as quick:
-        lower = late.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Lower', 1) RETURNING id"
-        ).fetchone()[0]
-        higher = quick.execute(
-            "INSERT INTO pets (name, category_id) VALUES ('Higher', 1) RETURNING id"
-        ).fetchone()[0]
+        lower = insert(late, "Lower")
+        higher = insert(quick, "Higher")
         quick.commit()
 
         def commit_the_lower_one(conn, cursor, statement, parameters, context, executemany):
