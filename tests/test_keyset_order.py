@@ -364,3 +364,76 @@ def test_a_page_reads_again_after_its_answer_whatever_the_default_isolation(
     # The answer settles both, so the read after it shows both. The higher one alone, on a last
     # page, is a walk that never shows the lower one, committed before the page was asked for.
     assert (ids, link) == ([lower, higher], None)
+
+
+# A function that adds an animal, for a cursor's query to call: the trigger then runs under the
+# cursor's resource owner, and its mark is the cursor's lock, not the transaction's.
+ADD_PET = (
+    "CREATE FUNCTION pg_temp.add_pet() RETURNS bigint LANGUAGE sql AS $$"
+    " INSERT INTO pets (name, category_id) VALUES ('Fetched', 1) RETURNING id $$"
+)
+
+
+def test_an_animal_a_cursor_added_stays_marked_when_a_later_fetch_fails_in_a_savepoint(
+    client, auth, make_pet, postgres_url
+):
+    # The second fetch fails inside the savepoint: PostgreSQL releases the failed cursor's locks
+    # with the savepoint (AtSubAbort_Portals gives the cursor's resource owner to it), the mark
+    # the first fetch took among them, though the animal it added is outside the savepoint.
+    with psycopg.connect(postgres_url) as writer:
+        writer.execute(ADD_PET)
+        writer.execute(
+            "DECLARE adding CURSOR FOR"
+            " SELECT pg_temp.add_pet(), 1 / (2 - n) FROM generate_series(1, 2) n"
+        )
+        late = writer.execute("FETCH 1 FROM adding").fetchone()[0]
+        writer.execute("SAVEPOINT second")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            writer.execute("FETCH 1 FROM adding")
+        writer.execute("ROLLBACK TO SAVEPOINT second")
+        quick = make_pet(name="Quick")
+        ids, link = page_ids(client, auth)
+        assert ids == []
+        assert link is not None
+        writer.commit()
+    assert page_ids(client, auth, next_path(link)) == ([late, quick], None)
+
+
+def test_a_function_that_adds_animals_until_a_fetch_fails_leaves_them_marked(
+    client, auth, make_pet, postgres_url
+):
+    # The same in PL/pgSQL: a batch that keeps what it added before its first failure, caught in
+    # an exception block around each fetch. The setting that says the mark is taken survives
+    # the block too, so the transaction's later animals go unmarked as well.
+    first = make_pet()
+    with psycopg.connect(postgres_url) as writer:
+        writer.execute(ADD_PET)
+        writer.execute(
+            """CREATE FUNCTION pg_temp.add_pets(count int) RETURNS SETOF bigint
+            LANGUAGE plpgsql AS $$
+            DECLARE
+                adding refcursor;
+                taken bigint;
+            BEGIN
+                OPEN adding FOR
+                    SELECT pg_temp.add_pet(), 1 / (count - n) FROM generate_series(1, count) n;
+                LOOP
+                    BEGIN
+                        FETCH adding INTO taken;
+                        EXIT WHEN NOT FOUND;
+                        RETURN NEXT taken;
+                    EXCEPTION WHEN division_by_zero THEN
+                        EXIT;
+                    END;
+                END LOOP;
+            END $$"""
+        )
+        added = [row[0] for row in writer.execute("SELECT pg_temp.add_pets(3)")]
+        later = insert(writer, "Later")
+        quick = make_pet(name="Quick")
+        assert len(added) == 2
+        ids, link = page_ids(client, auth)
+        assert ids == [first]
+        assert link is not None
+        writer.commit()
+    assert page_ids(client, auth, next_path(link)) == ([*added, later, quick], None)
