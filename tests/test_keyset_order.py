@@ -285,6 +285,21 @@ def test_a_savepoint_rolled_back_does_not_leave_its_transaction_unmarked(
     assert page_ids(client, auth, next_path(link)) == ([later, quicker], None)
 
 
+def test_a_writer_that_wrote_elsewhere_first_is_marked(client, auth, postgres_url):
+    # Its transaction has its id before its first animal, so that animal is not its first write:
+    # it marks through the setting's path, not the first write's.
+    with psycopg.connect(postgres_url) as writer, psycopg.connect(postgres_url) as quick:
+        writer.execute("CREATE TEMPORARY TABLE elsewhere (n int)")
+        late = insert(writer, "Late")
+        quicker = insert(quick, "Quick")
+        quick.commit()
+        ids, link = page_ids(client, auth)
+        assert ids == []
+        assert link is not None
+        writer.commit()
+    assert page_ids(client, auth, next_path(link)) == ([late, quicker], None)
+
+
 def test_each_transaction_of_a_connection_is_marked_anew(client, auth, postgres_url):
     # A pooled connection runs one creation after another: the flag that says its mark is
     # taken must end with the transaction, or every later one would write unmarked.
