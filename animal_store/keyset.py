@@ -40,6 +40,12 @@ Subtle points, each relied on:
   again.
 - The mark is taken and the setting set within the transaction and nothing outlives it, so
   PgBouncer's transaction pooling is fine.
+- The limit: a row added by a function that a cursor's query calls is marked under the cursor,
+  not the transaction, and a later fetch of that cursor that fails inside a savepoint or an
+  exception block releases the mark with the savepoint (PostgreSQL's AtSubAbort_Portals), while
+  the row and the setting stay. Add rows to a keyset table that way and a walk may pass them;
+  nothing in this service does (tests/test_keyset_order.py shows both cases, as expected
+  failures). Only a function in C could take the mark for the transaction itself.
 - Marks are advisory locks on one-bigint keys: the table's tag (MARK_TAG_BITS bits of a hash of
   its name) above 40 bits of id. Tags of two tables may collide, and other code in the database
   may take such locks: another's lock only makes a page stop sooner while it is held, and never
@@ -185,13 +191,17 @@ BEGIN
     -- The writer's mark, until it ends: the lowest id it can take, before it takes one. Once
     -- a transaction, mostly: the setting that says the mark is taken costs as much as the rest
     -- of this function, so a transaction's first write (its first row here) marks without it,
-    -- and its second row marks again and sets it. Two marks at most.
+    -- and its second row marks again and sets it. Two marks at most: the first write takes its
+    -- transaction id at once, which its insert would take next anyway, so a row that is never
+    -- written (ON CONFLICT DO NOTHING) does not leave the next one a first write too.
     IF first_write OR current_setting('{marked}', true) IS DISTINCT FROM 'yes' THEN
         PERFORM pg_advisory_xact_lock_shared(
             {marks(table)} + least(coalesce(pg_sequence_last_value('{ids}'), 0), {MARK_ID_MAX - 1})
             + 1
         );
-        IF NOT first_write THEN
+        IF first_write THEN
+            PERFORM pg_current_xact_id();
+        ELSE
             PERFORM set_config('{marked}', 'yes', true);
         END IF;
     END IF;

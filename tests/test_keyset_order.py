@@ -389,6 +389,9 @@ ADD_PET = (
 )
 
 
+@pytest.mark.xfail(
+    strict=True, reason="a mark taken under a cursor goes with its savepoint: keyset.py, The limit"
+)
 def test_an_animal_a_cursor_added_stays_marked_when_a_later_fetch_fails_in_a_savepoint(
     client, auth, make_pet, postgres_url
 ):
@@ -414,6 +417,9 @@ def test_an_animal_a_cursor_added_stays_marked_when_a_later_fetch_fails_in_a_sav
     assert page_ids(client, auth, next_path(link)) == ([late, quick], None)
 
 
+@pytest.mark.xfail(
+    strict=True, reason="a mark taken under a cursor goes with its savepoint: keyset.py, The limit"
+)
 def test_a_function_that_adds_animals_until_a_fetch_fails_leaves_them_marked(
     client, auth, make_pet, postgres_url
 ):
