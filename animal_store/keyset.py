@@ -191,17 +191,16 @@ BEGIN
     -- The writer's mark, until it ends: the lowest id it can take, before it takes one. Once
     -- a transaction, mostly: the setting that says the mark is taken costs as much as the rest
     -- of this function, so a transaction's first write (its first row here) marks without it,
-    -- and its second row marks again and sets it. Two marks at most: the first write takes its
-    -- transaction id at once, which its insert would take next anyway, so a row that is never
-    -- written (ON CONFLICT DO NOTHING) does not leave the next one a first write too.
+    -- and its second row marks again and sets it. Two marks at most: the mark takes the
+    -- transaction's id too, as its insert would next (in the same statement: one of its own
+    -- cost four times as much), so a row never written (ON CONFLICT DO NOTHING) leaves no
+    -- first write behind.
     IF first_write OR current_setting('{marked}', true) IS DISTINCT FROM 'yes' THEN
         PERFORM pg_advisory_xact_lock_shared(
             {marks(table)} + least(coalesce(pg_sequence_last_value('{ids}'), 0), {MARK_ID_MAX - 1})
             + 1
-        );
-        IF first_write THEN
-            PERFORM pg_current_xact_id();
-        ELSE
+        ), pg_current_xact_id();
+        IF NOT first_write THEN
             PERFORM set_config('{marked}', 'yes', true);
         END IF;
     END IF;
