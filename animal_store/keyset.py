@@ -63,8 +63,8 @@ Subtle points, each relied on:
   needs no step of its own.
 - Version 2 of these functions (migration 0006) stamped each row with the highest transaction id
   of every writer up to it, under an advisory lock held while taking the id: a creation cost the
-  server 338,000 instructions against 278,000 now (a plain INSERT: about 260,000), and 64
-  writers got 0.72 of plain INSERTs' throughput against 0.87 to 0.90 now (docs/benchmarks.rst).
+  server 338,000 instructions against 280,000 now (a plain INSERT: about 260,000), and 64
+  writers got 0.72 of plain INSERTs' throughput against 0.87 now (docs/benchmarks.rst).
 """
 
 import zlib
