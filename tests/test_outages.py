@@ -67,8 +67,10 @@ class TcpProxy:
                     if not data:
                         return
                     pair[source].sendall(data)
-        except OSError:
-            return  # closed by drop_connections
+        except (OSError, ValueError):
+            # Closed by drop_connections: during a select, or before one, whose fd -1 select
+            # refuses with ValueError.
+            return
 
     def drop_connections(self):
         with self.lock:
