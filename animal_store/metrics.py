@@ -30,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from animal_store.extensions import db
+from animal_store.version import VERSION
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
@@ -55,6 +56,13 @@ AUTH_FAILURES = Counter(
     "animal_store_auth_failures",
     "Requests refused for their key: missing, invalid (wrong or revoked), expired, scope.",
     ["reason"],
+)
+# One series per release a live worker runs: two while a reload replaces the workers, one after.
+BUILD_INFO = Gauge(
+    "animal_store_build_info",
+    "The release the live workers run, by version: 1 for each.",
+    ["version"],
+    multiprocess_mode="livemax",
 )
 POOL = Gauge(
     "animal_store_db_pool_connections",
@@ -132,6 +140,7 @@ def init_metrics(app: Flask) -> RequestMetrics:
     """Serve /metrics and return what counts every request of the app; after every route is
     registered, which it labels by."""
     app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
+    BUILD_INFO.labels(VERSION).set(1)
 
     @app.teardown_request
     def end_in_progress(_error: BaseException | None = None) -> None:

@@ -1,19 +1,23 @@
 """gunicorn settings for production; `--bind` and `--workers` on the command line override them.
 Start: `gunicorn -c config/gunicorn.conf.py wsgi:app`."""
 
+import importlib.metadata
+import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import MutableMapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import gunicorn
 from gunicorn import glogging
 
 if TYPE_CHECKING:
-    # For the checker only: the master loads no more of gunicorn, or of Flask, than it did.
+    # For the checker only: the master loads no more of gunicorn, and nothing of Flask or the app.
     from flask import Flask
     from gunicorn.arbiter import Arbiter
     from gunicorn.http import Request
@@ -51,10 +55,10 @@ control_socket_disable = not control_socket
 
 # Prometheus metrics summed over the workers (animal_store/metrics.py, prometheus_client's
 # multiprocess mode): each worker writes its figures to files in PROMETHEUS_MULTIPROC_DIR, which
-# must be set before anything imports prometheus_client (the master does, through the log
-# formatter below). A directory of this instance's own (systemd's RuntimeDirectory in
-# docs/deploy.rst), emptied at start; without one, a fresh temporary directory, removed when the
-# master exits. Which one was made is kept in the environment, as this file is read again on HUP.
+# must be set before anything imports prometheus_client (the master does, in child_exit). A
+# directory of this instance's own (systemd's RuntimeDirectory in docs/deploy.rst), emptied at
+# start; without one, a fresh temporary directory, removed when the master exits. Which one was
+# made is kept in the environment, as this file is read again on HUP.
 TEMPORARY_METRICS_DIR = "GUNICORN_TEMPORARY_METRICS_DIR"
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     made = tempfile.mkdtemp(prefix="animal-store-metrics-")
@@ -64,18 +68,53 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 def on_starting(server: "Arbiter") -> None:
     # A bad setting stops the boot here, in one line, before any worker starts: in the workers
     # it would be a traceback in each, and gunicorn would halt only once one of them had failed.
-    from animal_store.settings import SettingsError, check_environment
-
-    try:
-        check_environment()
-    except SettingsError as error:
-        # The arbiter has its log by the time it calls on_starting.
-        cast(glogging.Logger, server.log).error("%s", error.format_message())
+    # The check runs in a child process: the master imports nothing of the app, so the workers a
+    # reload (HUP) forks import the release on disk, not one the master would hold in memory.
+    check = os.fork()
+    if check == 0:
+        os._exit(check_settings(server))
+    if os.waitstatus_to_exitcode(os.waitpid(check, 0)[1]) != 0:
         remove_temporary_metrics_dir()
         sys.exit(1)
     # Figures a previous run left would be added to this one's.
     for leftover in Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).glob("*.db"):
         leftover.unlink()
+
+
+def check_settings(server: "Arbiter") -> int:
+    """Check the settings as create_app() does; log what is wrong and return 1, or return 0."""
+    try:
+        from animal_store.settings import SettingsError, check_environment
+
+        try:
+            check_environment()
+        except SettingsError as error:
+            # The arbiter has its log by the time it calls on_starting.
+            cast(glogging.Logger, server.log).error("%s", error.format_message())
+            return 1
+    except BaseException:
+        cast(glogging.Logger, server.log).exception("The app cannot load its settings")
+        return 1
+    finally:
+        sys.stdout.flush()
+    return 0
+
+
+def on_reload(server: "Arbiter") -> None:
+    # A master started by release 1.0.0 imported the app in process (its on_starting checked the
+    # settings there), and the workers forked from it would keep that code: it forgets it, so
+    # this reload's workers import the release on disk. A master started by this file holds none.
+    for name in [name for name in sys.modules if name.partition(".")[0] == "animal_store"]:
+        del sys.modules[name]
+    # gunicorn itself (and prometheus_client, below) is the master's own: a new version of it
+    # takes a restart (docs/operations.rst, Upgrading).
+    installed = importlib.metadata.version("gunicorn")
+    if installed != gunicorn.__version__:
+        cast(glogging.Logger, server.log).warning(
+            "gunicorn %s is installed but %s runs: restart to use it",
+            installed,
+            gunicorn.__version__,
+        )
 
 
 def on_exit(server: "Arbiter") -> None:
@@ -117,13 +156,31 @@ class Logger(glogging.Logger):
         pass
 
 
+class JsonFormatter(logging.Formatter):
+    """gunicorn's own lines (boot, reloads, workers started and stopped) as JSON, with the keys
+    of the app's (animal_store/logs.py): the master imports nothing of the app, so the formatter
+    is here, and a reload reads it anew with the rest of this file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            **getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
 logger_class = Logger
 errorlog = "-"
 # gunicorn's error log (boot, worker exits, timeouts) as JSON lines on stdout too, like the app's.
 logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "animal_store.logs.JsonFormatter"}},
+    "formatters": {"json": {"()": JsonFormatter}},
     "handlers": {
         "stdout": {
             "class": "logging.StreamHandler",
@@ -135,6 +192,9 @@ logconfig_dict = {
     "loggers": {
         "gunicorn.error": {"level": "INFO", "handlers": ["stdout"], "propagate": False},
         "gunicorn.access": {"level": "INFO", "handlers": [], "propagate": False},
+        # Each worker imports Flask-Migrate, and Alembic says at INFO each plugin it sets up:
+        # noise here, where no migration runs (`flask db upgrade` logs as alembic.ini says).
+        "alembic": {"level": "WARNING"},
     },
 }
 
@@ -142,7 +202,15 @@ logconfig_dict = {
 def post_worker_init(worker: "Worker") -> None:
     # Said once a worker has loaded the app and takes requests, so an operator (or a test) can
     # tell a server whose workers have all started from one whose first worker alone serves.
-    worker.log.info("Worker ready (pid: %s)", worker.pid)
+    # It names the release the worker imported, which a reload changes (docs/operations.rst).
+    from animal_store.version import VERSION
+
+    worker.log.info(
+        "Worker ready (pid: %s): animal-store %s",
+        worker.pid,
+        VERSION,
+        extra={"fields": {"version": VERSION}},
+    )
     # Loud when the rate limits cannot hold: counted in each worker's memory. (Only for the
     # store: benchmarks/ceiling.py and floor.py run under this file too.)
     if "animal_store_rate_limits" in getattr(worker.wsgi, "extensions", {}):

@@ -231,9 +231,10 @@ def own_redis(tmp_path):
 
 
 class Gunicorn:
-    """A real gunicorn serving wsgi:app with the production config on a loopback port."""
+    """A real gunicorn serving wsgi:app with the production config on a loopback port, from the
+    checkout or from another `directory` holding a release (its package, config/ and wsgi.py)."""
 
-    def __init__(self, database_url, workers=2, env=None, log_path=None):
+    def __init__(self, database_url, workers=2, env=None, log_path=None, directory=PROJECT_DIR):
         self.port = free_port()
         self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
@@ -253,7 +254,7 @@ class Gunicorn:
                 "--workers",
                 str(workers),
             ],
-            cwd=PROJECT_DIR,
+            cwd=directory,
             env=environment,
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
@@ -290,8 +291,9 @@ def start_gunicorn(database_url, tmp_path):
     """Start gunicorn servers on the test's database; every one is stopped by PID afterwards."""
     servers = []
 
-    def start(workers=2, env=None, wait=True):
-        server = Gunicorn(database_url, workers, env, tmp_path / f"gunicorn-{len(servers)}.log")
+    def start(workers=2, env=None, wait=True, directory=PROJECT_DIR, database=database_url):
+        log_path = tmp_path / f"gunicorn-{len(servers)}.log"
+        server = Gunicorn(database, workers, env, log_path, directory)
         servers.append(server)
         return server.wait_until_serving() if wait else server
 

@@ -34,8 +34,9 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (D
 def start_gunicorn(start_gunicorn):
     """gunicorn as docs/deploy.rst runs it behind nginx: with the production settings file."""
 
-    def start(workers=2, env=None, wait=True):
-        return start_gunicorn(workers, {"ANIMAL_STORE_ENV": "production", **(env or {})}, wait)
+    def start(workers=2, env=None, wait=True, **where):
+        env = {"ANIMAL_STORE_ENV": "production", **(env or {})}
+        return start_gunicorn(workers, env, wait, **where)
 
     return start
 
