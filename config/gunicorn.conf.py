@@ -102,10 +102,14 @@ def check_settings(server: "Arbiter") -> int:
 
 def on_reload(server: "Arbiter") -> None:
     # A master started by release 1.0.0 imported the app in process (its on_starting checked the
-    # settings there), and the workers forked from it would keep that code: it forgets it, so
-    # this reload's workers import the release on disk. A master started by this file holds none.
-    for name in [name for name in sys.modules if name.partition(".")[0] == "animal_store"]:
-        del sys.modules[name]
+    # settings there), and the workers forked from it would keep that code. It forgets the app,
+    # and prometheus_client, whose registry holds the app's metrics: re-registered by the new
+    # code, they would be duplicates. A master started by this file holds neither. (Remove in
+    # the release after 1.1.0, when no 1.0.0 master is left to upgrade.)
+    if "animal_store" in sys.modules:
+        forgotten = {"animal_store", "prometheus_client"}
+        for name in [name for name in sys.modules if name.partition(".")[0] in forgotten]:
+            del sys.modules[name]
     # gunicorn itself (and prometheus_client, below) is the master's own: a new version of it
     # takes a restart (docs/operations.rst, Upgrading).
     installed = importlib.metadata.version("gunicorn")
