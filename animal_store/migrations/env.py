@@ -29,6 +29,9 @@ def run_migrations_offline() -> None:
         url=config.get_main_option("sqlalchemy.url"),
         literal_binds=True,
         target_metadata=db.metadata,
+        # As Alembic's own template: with the driver's "format" paramstyle a % in the SQL (as in
+        # format('... %s', ...) of 0005's and 0008's functions) would be printed doubled.
+        dialect_opts={"paramstyle": "named"},
     )
     with context.begin_transaction():
         context.run_migrations()
