@@ -232,9 +232,18 @@ def own_redis(tmp_path):
 
 class Gunicorn:
     """A real gunicorn serving wsgi:app with the production config on a loopback port, from the
-    checkout or from another `directory` holding a release (its package, config/ and wsgi.py)."""
+    checkout or from another `directory` holding a release (its package, config/ and wsgi.py),
+    on this Python or on a deployment's."""
 
-    def __init__(self, database_url, workers=2, env=None, log_path=None, directory=PROJECT_DIR):
+    def __init__(
+        self,
+        database_url,
+        workers=2,
+        env=None,
+        log_path=None,
+        directory=PROJECT_DIR,
+        python=sys.executable,
+    ):
         self.port = free_port()
         self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
@@ -243,7 +252,7 @@ class Gunicorn:
         self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [
-                sys.executable,
+                python,
                 "-m",
                 "gunicorn",
                 "-c",
@@ -291,9 +300,9 @@ def start_gunicorn(database_url, tmp_path):
     """Start gunicorn servers on the test's database; every one is stopped by PID afterwards."""
     servers = []
 
-    def start(workers=2, env=None, wait=True, directory=PROJECT_DIR, database=database_url):
+    def start(workers=2, env=None, wait=True, database=database_url, **where):
         log_path = tmp_path / f"gunicorn-{len(servers)}.log"
-        server = Gunicorn(database, workers, env, log_path, directory)
+        server = Gunicorn(database, workers, env, log_path, **where)
         servers.append(server)
         return server.wait_until_serving() if wait else server
 

@@ -225,19 +225,64 @@ def own_database():
     engine.dispose()
 
 
-def flask(*args, cwd, database):
-    """A `flask` command as the operator runs it, from the deployment's checkout."""
-    environment = {"ANIMAL_STORE_ENV": "production", "DATABASE_URL": database}
-    result = subprocess.run(
-        [sys.executable, "-m", "flask", "--app", "animal_store", *args],
-        cwd=cwd,
-        env={**os.environ, **environment},
-        capture_output=True,
-        text=True,
-        timeout=120,
+# The upgrade's commands in docs/operations.rst (Upgrading), as an operator types them.
+UPGRADE_STEPS = [
+    line.strip()
+    for line in re.search(
+        r"^Upgrading\n-+\n.*?::\n\n((?:    .*\n)+)",
+        (PROJECT_DIR / "docs" / "operations.rst").read_text(),
+        re.MULTILINE | re.DOTALL,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    .group(1)
+    .splitlines()
+]
+
+
+class Deployment:
+    """A checkout of a release with a virtualenv of its own, as docs/deploy.rst makes one, in a
+    temporary directory; its commands run as the deploy guide runs them, from the checkout."""
+
+    def __init__(self, directory, commit, database):
+        self.directory, self.database = directory, database
+        self.python = str(directory / ".venv" / "bin" / "python")
+        self.environment = {
+            **os.environ,
+            "ANIMAL_STORE_ENV": "production",
+            "DATABASE_URL": database,
+        }
+        git("clone", "--quiet", "--no-checkout", str(PROJECT_DIR), str(directory))
+        git("checkout", "--quiet", commit, cwd=directory)
+        subprocess.run([sys.executable, "-m", "venv", directory / ".venv"], check=True)
+        # The previous release's requirements at the versions of today's lock: it had no lock.
+        self.shell(f".venv/bin/pip install --require-hashes -r {PROJECT_DIR}/requirements.txt")
+        self.shell(".venv/bin/pip install --no-deps -e .")
+
+    def shell(self, command):
+        result = subprocess.run(
+            ["bash", "-c", command],
+            cwd=self.directory,
+            env=self.environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, f"{command}: {result.stdout}{result.stderr}"
+        return result.stdout
+
+    def flask(self, *args):
+        return self.shell(shlex.join([".venv/bin/flask", "--app", "animal_store", *args]))
+
+    def upgrade(self, commit, master_pid):
+        """Run docs/operations.rst's steps: the test's user owns the checkout and gives the
+        environment, and systemd's reload is the unit's ExecReload."""
+        for step in UPGRADE_STEPS:
+            if step.startswith(("cd ", "chown ", "set -a ")):
+                continue
+            if step == "systemctl reload animal-store":
+                reload_as_the_unit_does(master_pid)
+            else:
+                command = step.removeprefix("runuser -u animal-store -- ")
+                self.shell(command.replace("<the release's commit>", commit))
 
 
 def test_the_previous_release_is_upgraded_in_place_under_load(
@@ -251,14 +296,16 @@ def test_the_previous_release_is_upgraded_in_place_under_load(
     ).returncode:
         pytest.skip(f"the history holds no commit {previous} (a shallow clone?)")
     current = git("rev-parse", "HEAD")
-    deployment = tmp_path / "srv"
-    git("clone", "--quiet", "--no-checkout", str(PROJECT_DIR), str(deployment))
-    git("checkout", "--quiet", previous, cwd=deployment)
-    # The previous release's deployment: its schema, its first key, its gunicorn behind nginx.
-    flask("db", "upgrade", cwd=deployment, database=own_database)
-    key = flask("keys", "create", "upgrade", cwd=deployment, database=own_database).split()[-1]
+    # The previous release deployed: its schema, its first key, its gunicorn behind nginx.
+    deployment = Deployment(tmp_path / "srv", previous, own_database)
+    deployment.flask("db", "upgrade")
+    key = deployment.flask("keys", "create", "upgrade").split()[-1]
     gunicorn = start_gunicorn(
-        workers=2, env=PRODUCTION, directory=deployment, database=own_database
+        workers=2,
+        env=PRODUCTION,
+        database=own_database,
+        directory=deployment.directory,
+        python=deployment.python,
     )
     nginx = start_nginx([gunicorn.url.removeprefix("http://")])
     assert versions_serving(scrape(gunicorn)) == set()  # 1.0.0 did not say
@@ -266,12 +313,7 @@ def test_the_previous_release_is_upgraded_in_place_under_load(
     scrapes = []
     with Load(nginx.url, certificate[0], key) as load:
         load.wait_for_answers(200)
-        # docs/operations.rst, Upgrading: fetch, check out, migrate, reload. (The install from
-        # the lock is this suite's own: its environment was installed from the same locks.)
-        git("fetch", "--quiet", "origin", cwd=deployment)
-        git("checkout", "--quiet", current, cwd=deployment)
-        flask("db", "upgrade", cwd=deployment, database=own_database)
-        reload_as_the_unit_does(gunicorn.process.pid)
+        deployment.upgrade(current, gunicorn.process.pid)
         took = wait_for_versions(gunicorn, {VERSION}, scrapes)
         load.wait_for_answers(200)
 
