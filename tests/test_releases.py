@@ -229,7 +229,7 @@ def own_database():
 UPGRADE_STEPS = [
     line.strip()
     for line in re.search(
-        r"^Upgrading\n-+\n.*?::\n\n((?:    .*\n)+)",
+        r"^Upgrading\n-+\n.*?::\n\n((?:    [^\n]*\n)+)",
         (PROJECT_DIR / "docs" / "operations.rst").read_text(),
         re.MULTILINE | re.DOTALL,
     )
