@@ -1,0 +1,360 @@
+"""A real Prometheus, end to end: Debian's prometheus, on the shipped scrape config
+(config/prometheus/prometheus.yml) and rules (config/prometheus/alerts.yml), scrapes a real
+gunicorn on the shipped config. Every series a rule reads exists in Prometheus and every rule
+loads; on a healthy instance no rule fires; a Redis of the test's own, frozen with SIGSTOP, makes
+AnimalStoreRateLimitsCountedApart fire with its labels and annotations as shipped.
+
+Prometheus runs with the test's own config in a temporary directory: the shipped one with 1 s
+scrape and evaluation intervals and the test's gunicorn as the only target, and a copy of the
+rules that differs from the shipped only in each rule's `for`, FOR. Everything it starts (a
+Prometheus, a gunicorn, a redis-server) is stopped by PID afterwards."""
+
+import copy
+import re
+import shutil
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
+from promql import metric_names
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus is not installed (Debian: prometheus)"
+)
+
+SHIPPED_CONFIG = PROJECT_DIR / "config" / "prometheus" / "prometheus.yml"
+RULES = PROJECT_DIR / "config" / "prometheus" / "alerts.yml"
+JOB = "animal-store"
+# Scrape and evaluate every second instead of every 15 s, and let each rule fire once its
+# expression has held for two seconds (three evaluations) instead of minutes: the rules'
+# expressions, windows, labels and annotations stay as shipped.
+INTERVAL = "1s"
+FOR_SECONDS = 2
+FOR = f"{FOR_SECONDS}s"
+ALERT = "AnimalStoreRateLimitsCountedApart"
+# Freeze to firing: a request's failed try (0.1 s), a scrape and an evaluation (1 s each), FOR,
+# on a machine busy with other tests. Measured: see the printed figures.
+FIRING_WITHIN = 60.0
+# Bounds of the waits for Prometheus' own work (start, scrapes, evaluations).
+WAIT = 30.0
+# What may be active while the store serves requests: a scrape answered while one of the
+# test's requests is in flight finds both workers of the 2-worker instance busy (the scrape
+# takes one, the request the other), which is exactly AnimalStoreWorkersBusy's condition, and
+# its guard, animal_store_processes > 2 (the master and two workers: 3), lets it through.
+BUSY = "AnimalStoreWorkersBusy"
+# What else a hung Redis may make active: a worker's try of it costs its request the socket
+# timeout, 0.1 s, at least once in 4 s per worker, which is more than 1 % of the answers below
+# 50 a second. Once the 5-minute window holds 150 listPets answers (0.5 a second: about 30 s of
+# this test's requests), AnimalStoreListPetsSlow holds (seen, p99 0.24 s, when the alert under
+# test was made never to fire).
+SLOWED = "AnimalStoreListPetsSlow"
+
+
+def shipped_rules() -> dict:
+    return yaml.safe_load(RULES.read_text())
+
+
+def rules_of(rules: dict) -> list[dict]:
+    return [rule for group in rules["groups"] for rule in group["rules"]]
+
+
+def with_short_for(rules: dict) -> dict:
+    """The rules with each rule's `for` set to FOR, and nothing else changed."""
+    changed = copy.deepcopy(rules)
+    for rule in rules_of(changed):
+        rule["for"] = FOR
+    return changed
+
+
+class Prometheus:
+    """Debian's prometheus in the foreground on a free loopback port, with its own config, rules
+    and storage in `directory`; stopped by PID."""
+
+    def __init__(self, directory: Path, target: str) -> None:
+        directory.mkdir()
+        config = yaml.safe_load(SHIPPED_CONFIG.read_text())
+        config["global"].update(scrape_interval=INTERVAL, evaluation_interval=INTERVAL)
+        (job,) = config["scrape_configs"]
+        assert job["job_name"] == JOB
+        assert job["metrics_path"] == "/metrics"
+        job["static_configs"] = [{"targets": [target]}]
+        # rule_files stays as shipped, relative to the config's directory: the rules are the
+        # copy written next to it, as an operator copies both files to /etc/prometheus/.
+        assert config["rule_files"] == ["alerts.yml"]
+        self.rules_path = directory / "alerts.yml"
+        self.rules = with_short_for(shipped_rules())
+        self.rules_path.write_text(yaml.safe_dump(self.rules, sort_keys=False))
+        config_path = directory / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = directory / "prometheus.log"
+        self.log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            cwd=directory,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for_port(self.process, self.port, "prometheus", self.log, timeout=WAIT)
+            within(WAIT, "Prometheus is ready", self.ready)
+        except BaseException:
+            self.stop()
+            raise
+
+    def ready(self) -> bool:
+        return requests.get(self.url + "/-/ready", timeout=5).status_code == 200
+
+    def api(self, path: str, **params):
+        """The `data` of an answer of Prometheus' HTTP API."""
+        answer = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def alerts(self) -> list[dict]:
+        """The active alerts: pending and firing."""
+        return self.api("alerts")["alerts"]
+
+    def groups(self) -> list[dict]:
+        return self.api("rules")["groups"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        stop_process(self.process, timeout=10)
+        self.log_file.close()
+
+
+def within(seconds: float, what: str, condition):
+    """Poll `condition` until it returns something true, and return that; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"not within {seconds}s: {what}")
+
+
+def unix(timestamp: str) -> float:
+    """Seconds since the epoch of Prometheus' RFC 3339 time, nanoseconds and all."""
+    timestamp = re.sub(r"(\.\d{6})\d*", r"\1", timestamp).replace("Z", "+00:00")
+    return datetime.fromisoformat(timestamp).timestamp()
+
+
+def rendered(template: str, labels: dict) -> str:
+    """An annotation as Prometheus renders it: the labels in place of {{ $labels.x }}."""
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda match: labels[match[1]], template)
+    assert "{{" not in text, f"a template this test does not render: {template}"
+    return text
+
+
+@pytest.fixture
+def store(start_gunicorn, own_redis, runner, api_key):
+    """A 2-worker gunicorn counting rate limits in the test's own Redis, and how to send it
+    requests straight (not through nginx, which hides /metrics)."""
+    # Synced with Redis on every request (RATELIMIT_SYNC_INTERVAL 0): counted exactly, and each
+    # worker's first request after the freeze tries Redis (tests/test_metrics.py does the same).
+    env = {
+        "ANIMAL_STORE_RATELIMIT_STORAGE_URI": own_redis.url,
+        "ANIMAL_STORE_RATELIMIT_SYNC_INTERVAL": "0",
+    }
+    server = start_gunicorn(workers=2, env=env)
+    server.address = server.url.removeprefix("http://")
+    server.redis = own_redis
+    server.auth = {"Authorization": f"Bearer {api_key}"}
+    created = runner.invoke(args=["keys", "create", "limited", "--rate-limit", "1/hour"])
+    server.limited = {"Authorization": f"Bearer {created.output.split()[-1]}"}
+
+    def list_pets(headers=server.auth):
+        return requests.get(server.url + "/v1/pets", headers=headers, timeout=10).status_code
+
+    server.list_pets = list_pets
+    return server
+
+
+@pytest.fixture
+def prometheus(tmp_path, store):
+    server = Prometheus(tmp_path / "prometheus", store.address)
+    yield server
+    server.stop()
+
+
+def series(prometheus: Prometheus, name: str) -> list[dict]:
+    return prometheus.api("series", **{"match[]": f'{{__name__="{name}", job="{JOB}"}}'})
+
+
+def evaluated_after(prometheus: Prometheus, moment: float) -> bool:
+    """Whether every rule group has been evaluated since `moment` (Unix seconds)."""
+    return all(unix(group["lastEvaluation"]) > moment for group in prometheus.groups())
+
+
+def scraped_after(prometheus: Prometheus, moment: float):
+    """The time of the target's last scrape if it began after `moment` and succeeded."""
+    (target,) = prometheus.api("targets", state="active")["activeTargets"]
+    scraped = unix(target["lastScrape"])
+    return scraped if scraped > moment and target["health"] == "up" else None
+
+
+def test_prometheus_has_every_series_the_rules_read(store, prometheus):
+    # The copy the Prometheus runs differs from the shipped rules only in each `for`.
+    shipped = shipped_rules()
+    assert prometheus.rules != shipped
+    assert with_short_for(shipped) == prometheus.rules
+    assert yaml.safe_load(prometheus.rules_path.read_text()) == prometheus.rules
+
+    # Labelled series exist once counted: a listPets answered (requests, their duration, the
+    # pool), one without a key (auth failures, reason missing), a key past its limit of 1 an
+    # hour (refusals, reason rate_limit). Unlabelled ones, such as
+    # animal_store_rate_limit_degraded_seconds_total, are exported at 0 by each worker from its
+    # start (prometheus_client's multiprocess files), before Redis was ever away.
+    assert store.list_pets() == 200
+    assert store.list_pets(headers={}) == 401
+    assert [store.list_pets(headers=store.limited) for _ in range(3)] == [200, 429, 429]
+    # Not made to exist: refusals with reason auth_failures (an address past 300 failed key
+    # checks a minute) would fire AnimalStoreKeyCheckFlood itself. The name exists through
+    # reason rate_limit.
+
+    names = sorted(set().union(*(metric_names(rule["expr"]) for rule in rules_of(shipped))))
+
+    def missing():
+        return [name for name in names if not series(prometheus, name)]
+
+    try:
+        within(WAIT, "every series the rules read", lambda: not missing())
+    except AssertionError:
+        raise AssertionError(f"Prometheus has no series of {missing()}") from None
+    print(f"\n{len(names)} metrics the rules read, all in Prometheus: {', '.join(names)}")
+
+    # Every group loaded from the test's copy, every rule evaluated without error, with its
+    # `for` overridden.
+    evaluated = time.time()
+    within(WAIT, "every group evaluated", lambda: evaluated_after(prometheus, evaluated))
+    loaded = {group["name"]: group for group in prometheus.groups()}
+    assert {group["file"] for group in loaded.values()} == {str(prometheus.rules_path)}
+    assert {name: [rule["name"] for rule in group["rules"]] for name, group in loaded.items()} == {
+        group["name"]: [rule["alert"] for rule in group["rules"]] for group in shipped["groups"]
+    }
+    for group in loaded.values():
+        for rule in group["rules"]:
+            assert (rule["type"], rule["health"], rule.get("lastError", "")) == (
+                "alerting",
+                "ok",
+                "",
+            ), rule
+            assert rule["duration"] == FOR_SECONDS, rule
+
+
+def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
+    # Traffic until the degraded seconds (at 0) are in Prometheus, then for a few evaluations
+    # more: meanwhile only AnimalStoreWorkersBusy may become active (BUSY). (Before Prometheus'
+    # first scrape AnimalStoreNotScraped may be pending: absent(up) holds.)
+    seen = set()
+    assert store.list_pets(headers={}) == 401
+
+    def serving(condition, watch=True):
+        assert store.list_pets() == 200
+        if watch:
+            seen.update(alert["labels"]["alertname"] for alert in prometheus.alerts())
+        return condition()
+
+    degraded_seconds = "animal_store_rate_limit_degraded_seconds_total"
+    within(
+        WAIT,
+        "the series scraped",
+        lambda: serving(lambda: series(prometheus, degraded_seconds), watch=False),
+    )
+    scraped = time.time()
+    within(
+        WAIT,
+        "an evaluation on them",
+        lambda: serving(lambda: evaluated_after(prometheus, scraped), watch=False),
+    )
+    evaluated = time.time()
+    within(
+        WAIT,
+        "three more evaluations",
+        lambda: serving(lambda: evaluated_after(prometheus, evaluated + 2)),
+    )
+    assert seen <= {BUSY}, seen
+
+    # The quiet check: no request in flight through a whole scrape, then an evaluation on it.
+    # Then no rule holds on this fresh instance: it is scraped (Down, NotScraped), answered no
+    # 5xx (the burn rates, DatabaseUnavailable), fewer than the 150 answers in 5 minutes the
+    # latency rules need (0.5 a second), one release (ReloadUnfinished, MixedReleases), no
+    # connection held between requests (ConnectionsHeld), one failed key check (KeyCheckFlood:
+    # 10 a second), a Redis that answers (RateLimitsCountedApart), and no worker busy but the
+    # scrape's (WorkersBusy).
+    quiet_since = time.time()
+    scraped = within(
+        WAIT, "a scrape with no request", lambda: scraped_after(prometheus, quiet_since)
+    )
+    within(WAIT, "an evaluation after it", lambda: evaluated_after(prometheus, scraped))
+    groups = prometheus.groups()
+    assert {rule["name"]: rule["state"] for group in groups for rule in group["rules"]} == {
+        rule["alert"]: "inactive" for rule in rules_of(shipped_rules())
+    }
+    assert prometheus.alerts() == []
+    up = prometheus.api("query", query=f'up{{job="{JOB}"}}')["result"]
+    assert [sample["value"][1] for sample in up] == ["1"]
+
+    # The fault: the test's Redis stops answering. Requests go on, a few a second, so each
+    # worker tries Redis (and fails, adding to the degraded seconds) at its breaker's pace.
+    store.redis.freeze()
+    frozen = time.time()
+    others = set()
+    try:
+
+        def firing():
+            assert store.list_pets() == 200  # the store serves on
+            alerts = prometheus.alerts()
+            others.update(
+                a["labels"]["alertname"] for a in alerts if a["labels"]["alertname"] != ALERT
+            )
+            return next(
+                (a for a in alerts if a["labels"]["alertname"] == ALERT and a["state"] == "firing"),
+                None,
+            )
+
+        try:
+            alert = within(FIRING_WITHIN, f"{ALERT} firing", firing)
+        except AssertionError:
+            raise AssertionError(
+                f"{ALERT} did not fire within {FIRING_WITHIN}s of Redis frozen; active: "
+                f"{prometheus.alerts()}"
+            ) from None
+        fired = time.time()
+        degraded = prometheus.api("query", query=f'{degraded_seconds}{{job="{JOB}"}}')["result"]
+    finally:
+        store.redis.thaw()
+
+    (rule,) = (rule for rule in rules_of(shipped_rules()) if rule["alert"] == ALERT)
+    labels = {"alertname": ALERT, "job": JOB, "instance": store.address, **rule["labels"]}
+    assert alert["labels"] == labels
+    assert alert["labels"]["severity"] == "ticket"
+    assert alert["annotations"] == {
+        name: rendered(template, labels) for name, template in rule["annotations"].items()
+    }
+    assert others <= {BUSY, SLOWED}, others
+    active = unix(alert["activeAt"])
+    print(
+        f"\n{ALERT}: active {active - frozen:.1f} s after Redis was frozen, seen firing after "
+        f"{fired - frozen:.1f} s (for: {FOR}, scrape and evaluation every {INTERVAL}); "
+        f"degraded seconds then {float(degraded[0]['value'][1]):.2f}; other alerts meanwhile: "
+        f"{sorted(others) or 'none'}; active while serving before: {sorted(seen) or 'none'}"
+    )
