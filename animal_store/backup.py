@@ -32,6 +32,7 @@ from sqlalchemy import Engine, func, select, text
 from animal_store.database import current_revision, head_revision, upgrade_command, uses_database
 from animal_store.extensions import db, settings
 from animal_store.models import ApiKey, Pet
+from animal_store.settings import masked_url
 
 # `pg_restore --list`: "215; 0 16390 TABLE DATA public pets store".
 TABLE_DATA = re.compile(r"^\d+; \d+ \d+ TABLE DATA (\S+) (\S+) ", re.MULTILINE)
@@ -279,7 +280,7 @@ def backup_postgres(destination: Path) -> str:
         run_tool("pg_dump", "--format=custom", f"--snapshot={snapshot}", f"--file={destination}")
     tables, entries = tables_with_data(destination)
     return (
-        f"Backed up {db.engine.url.render_as_string()} to {destination} "
+        f"Backed up {masked_url(db.engine.url)} to {destination} "
         f"({destination.stat().st_size} bytes): {animals} animals, {api_keys(keys)}, migration "
         f"{revision}; pg_restore --list reads {entries} entries, with the data of "
         f"{', '.join(sorted(tables))}."
@@ -331,7 +332,7 @@ def restore_postgres(source: Path) -> str:
         animals = connection.scalar(select(func.count()).select_from(Pet))
         keys = connection.execute(select(func.count()).select_from(ApiKey)).scalar_one()
     return (
-        f"Restored {source} ({entries} entries) to {db.engine.url.render_as_string()}: "
+        f"Restored {source} ({entries} entries) to {masked_url(db.engine.url)}: "
         f"{animals} animals, {api_keys(keys)}."
     )
 

@@ -1,5 +1,6 @@
 """The database a command works on: each command that reads or writes data first says which one
-it is and where that choice came from, and refuses a database without the schema.
+it is and where that choice came from, and refuses a database without the schema, or one it
+cannot use (a wrong password, a host that does not answer, a missing database), in one line.
 
 Without the deployment's environment the settings fall back to a development SQLite file in the
 checkout; a command run from a shell that forgot the environment file would then write where the
@@ -16,9 +17,11 @@ import click
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from flask import current_app
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from animal_store.extensions import db
+from animal_store.settings import masked_url
 
 Params = ParamSpec("Params")
 Result = TypeVar("Result")
@@ -34,7 +37,23 @@ def upgrade_command() -> str:
 def describe_database() -> str:
     """Return the database's URL, its password masked, and where the setting came from."""
     source = current_app.extensions["animal_store_database_source"]
-    return f"{db.engine.url.render_as_string(hide_password=True)} ({source})"
+    return f"{masked_url(db.engine.url)} ({source})"
+
+
+def cannot_use(error: DBAPIError) -> click.ClickException:
+    """The one-line refusal of a database a command cannot use: the driver's first line, which
+    names the host, the user or the database, never the password."""
+    reason = str(error.orig).strip().splitlines()[0]
+    return click.ClickException(f"Cannot use the database: {reason}")
+
+
+def connect() -> Connection:
+    """Connect to the app's database, or refuse it in one line (`flask db ...` too, through
+    migrations/env.py), rather than with the driver's traceback."""
+    try:
+        return db.engine.connect()
+    except DBAPIError as error:
+        raise cannot_use(error) from None
 
 
 def current_revision() -> str | None:
@@ -59,8 +78,7 @@ def require_schema() -> None:
     try:
         current = current_revision()
     except DBAPIError as error:
-        reason = str(error.orig).strip().splitlines()[0]
-        raise click.ClickException(f"Cannot use the database: {reason}") from None
+        raise cannot_use(error) from None
     if current is None:
         raise click.ClickException(f"The database has no schema: run `{upgrade_command()}` first.")
     migrations = ScriptDirectory(current_app.extensions["migrate"].directory)
@@ -81,8 +99,8 @@ def require_schema() -> None:
 def uses_database(
     schema: bool = True,
 ) -> Callable[[Callable[Params, Result]], Callable[Params, Result]]:
-    """Make a command say which database it uses, on stderr, and with `schema`, refuse one
-    without this code's schema before it runs."""
+    """Make a command say which database it uses, on stderr, and refuse one it cannot use before
+    it runs: with `schema`, one without this code's schema; without, one it cannot connect to."""
 
     def decorate(command: Callable[Params, Result]) -> Callable[Params, Result]:
         @functools.wraps(command)
@@ -90,6 +108,9 @@ def uses_database(
             click.echo(f"Database: {describe_database()}", err=True)
             if schema:
                 require_schema()
+            elif db.engine.url.get_backend_name() != "sqlite":
+                # (Opening a SQLite file creates it: these commands create or replace it anyway.)
+                connect().close()
             return command(*args, **kwargs)
 
         return run

@@ -4,6 +4,7 @@ the check, at boot, of what they add up to against their declarations (settings_
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import click
 from flask import Config, Flask
 from marshmallow import fields
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from animal_store import settings_schema
 from animal_store.extensions import settings
@@ -29,6 +30,8 @@ DEFAULTS = "animal_store/default_settings.py"
 DECLARED = settings_schema.SETTING_FIELDS
 # Settings whose environment variable must hold JSON: a typo there is worth saying so.
 STRUCTURED = (fields.List, fields.Dict, fields.Nested)
+# A password in a URL's query, as libpq reads one: ?password=... or sslpassword=...
+QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&]*", re.IGNORECASE)
 
 
 class SettingsError(click.ClickException):
@@ -148,8 +151,13 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
     loaded, problems = settings_schema.load(
         {name: config[name] for name in DECLARED if name in config}
     )
+    bad = list(problems)
+    # SQLAlchemy reads such a URL (its password ends at the first @), but with another host.
+    url = config.get("DATABASE_URL")
+    if isinstance(url, str) and unencoded_at(url) and "DATABASE_URL" not in bad:
+        bad.append("DATABASE_URL")
     said = unknown + [
-        problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in problems
+        problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in bad
     ]
     if said:
         raise SettingsError("\n".join(said))
@@ -158,15 +166,47 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
 
 
 def problem(name: str, value: Any, source: tuple[str, str | None]) -> str:
-    """Say a bad setting in one line: its name, its value as given, what it must be."""
+    """Say a bad setting in one line: its name, its value as given (any password in it masked),
+    what it must be."""
     where, text = source
-    shown = repr(text if text is not None else value)
+    given = text if text is not None else value
+    shown = repr(masked_url(given)) if isinstance(given, str) else masked_url(repr(given))
+    origin = "" if where == name else f" from {where}"
+    if name == "DATABASE_URL" and isinstance(given, str) and unencoded_at(given):
+        return (
+            f"Setting {name}{origin} is {shown}: its password holds an @, which a URL must give "
+            "as %40 (percent-encode the whole password, docs/deploy.rst, step 3)."
+        )
     note = ""
     field = DECLARED[name]
     if text is not None and isinstance(field, STRUCTURED) and not parses_as_json(text):
         note = " (the value is not valid JSON)"
-    origin = "" if where == name else f" from {where}"
     return f"Setting {name}{origin} is {shown}{note}: expected {settings_schema.expected(name)}."
+
+
+def masked_url(url: str | URL) -> str:
+    """Return a URL as any message may show it, its password ***: the one way the service shows
+    a database URL (boot, commands, backups). A URL as given may not parse: whatever lies between
+    "://user:" and the last "@" is the password then; a text without one is returned as it is."""
+    if isinstance(url, URL):
+        text = url.render_as_string(hide_password=True)
+    else:
+        scheme, separator, rest = url.partition("://")
+        if not separator:
+            scheme, rest = "", url
+        credentials, at, location = rest.rpartition("@")
+        user, colon, _ = credentials.partition(":")
+        text = f"{scheme}{separator}{user}:***@{location}" if at and colon else url
+    return QUERY_PASSWORD.sub(r"\1***", text)
+
+
+def unencoded_at(url: str) -> bool:
+    """Tell whether a URL's password holds an @ not written %40: more than one @ follows
+    "://user:". SQLAlchemy ends the password at the first, and the rest of it becomes the host,
+    shown in messages, or a port it cannot read."""
+    credentials = url.partition("://")[2].rpartition("@")[0]
+    _, colon, password = credentials.partition(":")
+    return bool(colon) and "@" in password
 
 
 def parses_as_json(text: str) -> bool:

@@ -11,10 +11,12 @@ import sys
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 
+import click
 import pytest
 from alembic.script import ScriptDirectory
-from conftest import PROJECT_DIR, migrate_to_head
+from conftest import PROJECT_DIR, TEST_DATABASE_URL, migrate_to_head
 from flask_migrate import upgrade
+from postgres_cluster import BINDIR, PostgresCluster
 
 from animal_store import create_app
 from animal_store.database import describe_database
@@ -327,3 +329,119 @@ def test_operations_shows_every_command_as_typed_on_the_deployed_machine(runner)
         words = shlex.split(command.removeprefix(DEPLOYED_FLASK))
         result = runner.invoke(args=[*words, "--help"])
         assert result.exit_code == 0, f"{command}: {result.output}"
+
+
+# A database a command cannot use, refused in one line by every command that touches one:
+# a wrong password (on a cluster of the test's own: the shared server trusts every local
+# connection), a host that does not answer, a database that does not exist.
+
+TOUCHING_THE_DATABASE = [
+    ["db", "upgrade"],
+    ["db", "downgrade"],
+    ["db", "current"],
+    ["db", "stamp", "head"],
+    ["db", "check"],
+    ["db", "migrate"],
+    *DATA_COMMANDS,
+    ["restore", "{tmp_path}/existing.dump"],
+    ["quickstart", "--port", "{taken_port}"],
+]
+# The others: Alembic's that read only the migrations, and those that print documents.
+NOT_TOUCHING_THE_DATABASE = {
+    "db list-templates",
+    "db init",
+    "db revision",
+    "db edit",
+    "db merge",
+    "db show",
+    "db history",
+    "db heads",
+    "db branches",
+    "openapi",
+    "errors table",
+    "errors nginx",
+}
+ROLE = "shop"
+ROLE_PASSWORD = "Pa55-w0rd-never-printed"  # noqa: S105
+
+
+def command_names(command, path=()):
+    if isinstance(command, click.Group):
+        for name, child in command.commands.items():
+            yield from command_names(child, (*path, name))
+    else:
+        yield " ".join(path)
+
+
+def test_the_table_has_every_command_that_touches_the_database():
+    names = set(command_names(create_app({"DATABASE_URL": "sqlite://"}).cli))
+    # Each command of the table by its name: its first words that name one.
+    tried = {
+        next(" ".join(command[:n]) for n in (2, 1) if " ".join(command[:n]) in names)
+        for command in TOUCHING_THE_DATABASE
+    }
+    assert tried | NOT_TOUCHING_THE_DATABASE == names
+    assert not tried & NOT_TOUCHING_THE_DATABASE
+
+
+@pytest.fixture(scope="module")
+def password_cluster():
+    if TEST_DATABASE_URL:
+        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
+    if BINDIR is None:
+        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
+    cluster = PostgresCluster(passwords=True)
+    cluster.create_role(ROLE, ROLE_PASSWORD)
+    cluster.create_database("store", owner=ROLE)
+    yield cluster
+    cluster.stop()
+
+
+def closed_port():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+UNUSABLE_DATABASES = {
+    "a wrong password": (
+        lambda port: f"postgresql://{ROLE}:wrong-{ROLE_PASSWORD}@127.0.0.1:{port}/store",
+        f'password authentication failed for user "{ROLE}"',
+    ),
+    "a host that does not answer": (
+        lambda port: f"postgresql://{ROLE}:{ROLE_PASSWORD}@127.0.0.1:{closed_port()}/store",
+        "Connection refused",
+    ),
+    "a database that does not exist": (
+        lambda port: f"postgresql://{ROLE}:{ROLE_PASSWORD}@127.0.0.1:{port}/no_such_store",
+        'database "no_such_store" does not exist',
+    ),
+}
+
+
+@pytest.mark.parametrize("command", TOUCHING_THE_DATABASE, ids=" ".join)
+@pytest.mark.parametrize("database", UNUSABLE_DATABASES.values(), ids=UNUSABLE_DATABASES.keys())
+def test_every_command_refuses_a_database_it_cannot_use_in_one_line(
+    password_cluster, tmp_path, command, database
+):
+    make_url, problem = database
+    url = make_url(password_cluster.port)
+    (tmp_path / "existing.dump").write_bytes(b"a backup")
+    app = create_app({"DATABASE_URL": url})
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # were quickstart to get to serving
+        words = [
+            word.format(tmp_path=tmp_path, taken_port=taken.getsockname()[1]) for word in command
+        ]
+        result = app.test_cli_runner().invoke(args=words)
+    with app.app_context():
+        db.engine.dispose()
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # a ClickException, not a traceback
+    # On stderr, the database line every such command starts with, then the refusal; no more.
+    assert result.stdout == ""
+    database_line, refusal = result.stderr.splitlines()
+    assert f"Database: postgresql+psycopg://{ROLE}:***@127.0.0.1:" in database_line
+    assert refusal.startswith("Error: Cannot use the database: connection failed: ")
+    assert problem in refusal
+    assert ROLE_PASSWORD not in result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["existing.dump"]

@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from flask import current_app
 from flask_sqlalchemy import SQLAlchemy
 
-from animal_store.database import describe_database
+from animal_store.database import connect, describe_database
 
 config = context.config
 # Keep the loggers the app (or the test run) configured before the migration started.
@@ -18,15 +18,13 @@ if config.config_file_name is not None:  # Flask-Migrate's alembic.ini, always t
 logger = logging.getLogger("alembic.env")
 
 db: SQLAlchemy = current_app.extensions["migrate"].db
-config.set_main_option(
-    "sqlalchemy.url", db.engine.url.render_as_string(hide_password=False).replace("%", "%%")
-)
 
 
 def run_migrations_offline() -> None:
     """Print the SQL for the migrations instead of running it."""
     context.configure(
-        url=config.get_main_option("sqlalchemy.url"),
+        # The URL itself: its password is never written out as text, into Alembic's config.
+        url=db.engine.url,
         literal_binds=True,
         target_metadata=db.metadata,
         # As Alembic's own template: with the driver's "format" paramstyle a % in the SQL (as in
@@ -55,7 +53,8 @@ def run_migrations_online() -> None:
     conf_args.setdefault("process_revision_directives", skip_empty_autogenerate)
     # Which database `flask db ...` changes, and where that choice came from.
     logger.info("Database: %s", describe_database())
-    with db.engine.connect() as connection:
+    # A database it cannot use is refused in one line, as by every other command (database.py).
+    with connect() as connection:
         # Flask-Migrate's configure_args include render_as_batch, which SQLite needs for ALTERs.
         context.configure(connection=connection, target_metadata=db.metadata, **conf_args)
         with context.begin_transaction():
