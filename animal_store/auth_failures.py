@@ -26,7 +26,6 @@ made, and a revoked key never becomes valid again.
 import ipaddress
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from cachetools import TTLCache
 from flask import Flask, request
@@ -34,10 +33,7 @@ from flask import Flask, request
 from animal_store import errors
 from animal_store.extensions import settings
 from animal_store.rate_limits import REFUSALS, RateLimiter
-
-if TYPE_CHECKING:
-    # Only for the checker: settings_schema imports the API layer, which imports this module.
-    from animal_store.settings_schema import Settings
+from animal_store.settings_schema import Settings
 
 # Hashes of the keys a worker's look-ups found valid, kept this long (a day) and at most this
 # many, least recently used dropped first: a valid key is let through to its look-up from an

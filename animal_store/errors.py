@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import orjson
 from flask import Flask, Response, current_app, request
@@ -19,10 +19,7 @@ from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAll
 
 from animal_store.extensions import db, settings
 from animal_store.schemas import ErrorSchema
-
-if TYPE_CHECKING:
-    # Only for the checker: settings_schema imports the API layer, which imports this module.
-    from animal_store.settings_schema import Settings
+from animal_store.settings_schema import Settings
 
 # An error's answer, as Flask takes it from a handler: the body, the status and the headers.
 ErrorAnswer = tuple[Response, int, Mapping[str, str]]

@@ -1,7 +1,5 @@
 """Extension objects, created unbound and bound to an app in create_app."""
 
-from typing import TYPE_CHECKING
-
 from flask import Flask
 from flask_migrate import Migrate
 from flask_sqlalchemy import SQLAlchemy
@@ -10,9 +8,7 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.pool import ConnectionPoolEntry
 
-if TYPE_CHECKING:
-    # Only for the checker: settings_schema imports the API layer, which imports this module.
-    from animal_store.settings_schema import Settings
+from animal_store.settings_schema import Settings
 
 
 class Base(DeclarativeBase):

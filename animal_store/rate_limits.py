@@ -49,7 +49,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import redis
 from cachetools import TLRUCache
@@ -61,10 +60,7 @@ from redis.retry import Retry
 
 from animal_store import errors
 from animal_store.extensions import settings
-
-if TYPE_CHECKING:
-    # Only for the checker: settings_schema imports this module (check_limit).
-    from animal_store.settings_schema import Settings
+from animal_store.settings_schema import Settings
 
 # What /readyz says of the counts (counting()).
 SHARED, PER_PROCESS, UNREACHABLE, OFF = "shared", "per process", "storage unreachable", "off"

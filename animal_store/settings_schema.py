@@ -13,13 +13,13 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 
+from limits import parse_many
 from marshmallow import Schema, ValidationError, fields, validates_schema
 from marshmallow.validate import Length, OneOf, Range, Regexp
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from animal_store.api import BASE_PATH
-from animal_store.rate_limits import check_limit
+from animal_store.contract import BASE_PATH
 
 # Databases the service runs on, by SQLAlchemy backend: the drivers it ships with.
 DATABASE_DRIVERS = {"sqlite": {"pysqlite"}, "postgresql": {"psycopg"}, "postgres": {"psycopg"}}
@@ -106,7 +106,7 @@ def check_server_url(url: str) -> None:
 def rate_limit(off: bool = False) -> fields.Field[Any]:
     expected = 'a rate limit such as "100/second" or "6000 per minute"'
     return expecting(
-        fields.String(allow_none=off, validate=validator(check_limit, "Not a rate limit.")),
+        fields.String(allow_none=off, validate=validator(parse_many, "Not a rate limit.")),
         expected + (", or null (off)" if off else ""),
     )
 

@@ -1,18 +1,20 @@
 """Where the settings come from, each one checked at boot against its declaration, and a
 deployment that lacks its secrets or has a bad value refusing to start."""
 
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from conftest import PROJECT_DIR
 
-from animal_store import create_app, default_settings
+from animal_store import contract, create_app, default_settings, settings_schema
 from animal_store.extensions import db
 from animal_store.settings import SettingsError
 from animal_store.settings_schema import SETTING_FIELDS, expected, settings_reference
@@ -351,3 +353,22 @@ def test_the_flask_command_says_a_bad_setting_in_one_line(tmp_path):
         "Error: Setting MAX_CONTENT_LENGTH from ANIMAL_STORE_MAX_CONTENT_LENGTH is '64k': "
         f"expected {expected('MAX_CONTENT_LENGTH')}.\n"
     )
+
+
+def test_the_settings_declarations_import_nothing_they_configure():
+    # settings_schema.py is the ground floor every layer reads: it may import only what lies
+    # below it (contract.py, which imports nothing of the app), never the layers it configures.
+    tree = ast.parse(Path(settings_schema.__file__).read_text())
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    } | {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    assert {name for name in imported if name.partition(".")[0] == "animal_store"} == {
+        "animal_store.contract"
+    }
+    below = ast.parse(Path(contract.__file__).read_text())
+    assert not [node for node in ast.walk(below) if isinstance(node, ast.Import | ast.ImportFrom)]

@@ -30,11 +30,10 @@ from animal_store.api.declarations import (
     view_doc,
 )
 from animal_store.api.headers import Header
-from animal_store.api.layer import BASE_PATH, LAYER, register_api
+from animal_store.api.layer import LAYER, register_api
 from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE, Policies
 
 __all__ = [
-    "BASE_PATH",
     "LAYER",
     "SCOPE_OF_METHOD",
     "WRITE_SCOPE",

@@ -4,7 +4,7 @@ each operation what the layer gives it."""
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from email.utils import format_datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import flask_smorest
 import flask_smorest.spec.plugins
@@ -20,10 +20,7 @@ from animal_store.api.declarations import OperationDoc
 from animal_store.api.headers import DEPRECATION_HEADERS, ERROR_HEADERS, RATE_LIMIT_HEADERS, Header
 from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE
 from animal_store.schemas import EnumField, ErrorSchema, Int64
-
-if TYPE_CHECKING:
-    # Only for its type: settings_schema imports this package (BASE_PATH).
-    from animal_store.settings_schema import Deprecation
+from animal_store.settings_schema import Deprecation
 
 API_VERSION = "1.0.0"
 

@@ -11,9 +11,9 @@ from animal_store.api.declarations import Blueprint
 from animal_store.api.document import document_layer, make_api
 from animal_store.api.policies import Policies
 from animal_store.auth_failures import init_auth_failures
+from animal_store.contract import BASE_PATH
 
 # Where the API lives on every server; OPENAPI_SERVERS urls must end with it.
-BASE_PATH = "/v1"
 LAYER = "v1"
 
 

@@ -2,17 +2,13 @@
 headers every answer of the layer gets."""
 
 from email.utils import format_datetime
-from typing import TYPE_CHECKING
 
 from flask import Flask, Response, current_app, g, request
 
 from animal_store import rate_limits
 from animal_store.api.declarations import view_doc
 from animal_store.auth import authenticate
-
-if TYPE_CHECKING:
-    # Only for its type: settings_schema imports this package (BASE_PATH).
-    from animal_store.settings_schema import Deprecation
+from animal_store.settings_schema import Deprecation
 
 # The scope an API key needs for an operation, by its method: reads need `read`, the rest
 # `write` (auth.SCOPES).
