@@ -54,7 +54,6 @@ def load_settings(app: Flask, test_config: Mapping[str, Any] | None = None) -> N
         source = database_source(app)
     # For the command line to say where its database came from (database.py).
     app.extensions["animal_store_database_source"] = source
-    refuse_renamed_settings(app)
     app.extensions["animal_store_settings"] = check_settings(app.config, sources)
     app.config["SQLALCHEMY_DATABASE_URI"] = database_uri(app)
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
@@ -130,23 +129,31 @@ REMOVED_SETTINGS = {
 }
 
 
-def refuse_renamed_settings(app: Flask) -> None:
-    for old, new in RENAMED_SETTINGS.items():
-        if old in app.config:
-            raise SettingsError(f"The setting {old} is now {new} (ANIMAL_STORE_{new}).")
-    for name, why in REMOVED_SETTINGS.items():
-        if name in app.config:
-            raise SettingsError(f"The setting {name} is gone: {why}. Remove it.")
+def retired_settings(config: Config) -> list[str]:
+    """Say each renamed or removed setting that is set, one line each."""
+    return [
+        f"The setting {old} is now {new} (ANIMAL_STORE_{new})."
+        for old, new in RENAMED_SETTINGS.items()
+        if old in config
+    ] + [
+        f"The setting {name} is gone: {why}. Remove it."
+        for name, why in REMOVED_SETTINGS.items()
+        if name in config
+    ]
 
 
 def check_settings(config: Config, sources: Sources) -> settings_schema.Settings:
     """Check every declared setting, and that each name set is a setting; write the values back
-    as loaded (a date-time parsed from the environment's text) and return them typed."""
+    as loaded (a date-time parsed from the environment's text) and return them typed. Every
+    setting that is wrong is said, one line each, so one boot names them all."""
+    retired = retired_settings(config)
     unknown = [
         f"{where if text is not None else name + ' in ' + where} names no setting "
         "(docs/configuration.rst lists them)."
         for name, (where, text) in sources.items()
-        if name not in DECLARED and name not in Flask.default_config
+        if name not in DECLARED
+        and name not in Flask.default_config
+        and name not in RENAMED_SETTINGS | REMOVED_SETTINGS
     ]
     loaded, problems = settings_schema.load(
         {name: config[name] for name in DECLARED if name in config}
@@ -156,7 +163,7 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
     url = config.get("DATABASE_URL")
     if isinstance(url, str) and unencoded_at(url) and "DATABASE_URL" not in bad:
         bad.append("DATABASE_URL")
-    said = unknown + [
+    said = retired + unknown + [
         problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in bad
     ]
     if said:

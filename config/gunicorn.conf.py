@@ -89,8 +89,10 @@ def check_settings(server: "Arbiter") -> int:
         try:
             check_environment()
         except SettingsError as error:
-            # The arbiter has its log by the time it calls on_starting.
-            cast(glogging.Logger, server.log).error("%s", error.format_message())
+            # The arbiter has its log by the time it calls on_starting. A record a setting: one
+            # JSON line each, as `flask` prints one line each.
+            for line in error.format_message().splitlines():
+                cast(glogging.Logger, server.log).error("%s", line)
             return 1
     except BaseException:
         cast(glogging.Logger, server.log).exception("The app cannot load its settings")

@@ -11,6 +11,7 @@ import gunicorn
 import pytest
 import requests
 from conftest import PROJECT_DIR
+from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
 from animal_store import gunicorn_errors
 
@@ -211,10 +212,28 @@ def test_a_metrics_directory_it_was_given_is_kept(start_gunicorn, tmp_path):
     ],
 )
 def test_a_bad_setting_stops_gunicorn_before_any_worker_in_one_line(tmp_path, variable, text):
+    refusal = refused_boot(tmp_path, {variable: text})
+    assert len(refusal) == 1
+    assert refusal[0]["message"].startswith(
+        (f"Setting {variable[13:]} from {variable} is {text!r}", f"{variable} names no setting")
+    )
+
+
+def test_every_bad_setting_is_its_own_record_in_gunicorns_log(tmp_path):
+    refusal = refused_boot(tmp_path, EVERY_KIND_OF_BAD_SETTING)
+    said = [line["message"] for line in refusal]
+    assert [line[: len(start)] for start, line in zip(EVERY_KIND_SAID, said, strict=True)] == (
+        EVERY_KIND_SAID
+    )
+
+
+def refused_boot(tmp_path, variables) -> list[dict]:
+    """Start gunicorn with these settings in its environment; return the records of its log
+    after its start line, once it has exited 1 before any worker, leaving no temporary files."""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("ANIMAL_STORE_")}
-    environment |= {variable: text, "TMPDIR": str(temporary), "PROMETHEUS_MULTIPROC_DIR": ""}
+    environment |= {**variables, "TMPDIR": str(temporary), "PROMETHEUS_MULTIPROC_DIR": ""}
     result = subprocess.run(
         [*GUNICORN, "--bind", "127.0.0.1:0", "--workers", "2"],
         cwd=PROJECT_DIR,
@@ -227,10 +246,7 @@ def test_a_bad_setting_stops_gunicorn_before_any_worker_in_one_line(tmp_path, va
     assert result.returncode == 1
     assert result.stderr == ""
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [line["message"] for line in lines[:-1]] == [f"Starting gunicorn {gunicorn.__version__}"]
-    refusal = lines[-1]
-    assert refusal["level"] == "ERROR"
-    assert refusal["message"].startswith(
-        (f"Setting {variable[13:]} from {variable} is {text!r}", f"{variable} names no setting")
-    )
+    assert lines[0]["message"] == f"Starting gunicorn {gunicorn.__version__}"
+    assert {line["level"] for line in lines[1:]} == {"ERROR"}
     assert list(temporary.iterdir()) == []
+    return lines[1:]

@@ -254,13 +254,32 @@ def test_a_bad_database_url_through_the_deployment_file_stops_the_boot(
     )
 
 
+# Bad settings of every kind at once: each is named, one line each, in one boot.
+EVERY_KIND_OF_BAD_SETTING = {
+    "ANIMAL_STORE_RATE_LIMIT_ENABLED": "true",  # renamed
+    "ANIMAL_STORE_CORS_METHODS": '["GET"]',  # removed
+    "ANIMAL_STORE_MAX_CONTENT_LENTGH": "1",  # no setting
+    "ANIMAL_STORE_MAX_CONTENT_LENGTH": "64k",  # a bad value
+    "ANIMAL_STORE_LOG_LEVEL": "loud",
+}
+EVERY_KIND_SAID = [
+    "The setting RATE_LIMIT_ENABLED is now RATELIMIT_ENABLED",
+    "The setting CORS_METHODS is gone:",
+    "ANIMAL_STORE_MAX_CONTENT_LENTGH names no setting",
+    "Setting MAX_CONTENT_LENGTH from ANIMAL_STORE_MAX_CONTENT_LENGTH is '64k'",
+    "Setting LOG_LEVEL from ANIMAL_STORE_LOG_LEVEL is 'loud'",
+]
+
+
 def test_every_bad_setting_is_said_one_line_each(clean_environment):
-    clean_environment.setenv("ANIMAL_STORE_MAX_CONTENT_LENGTH", "64k")
-    clean_environment.setenv("ANIMAL_STORE_LOG_LEVEL", "loud")
+    for variable, text in EVERY_KIND_OF_BAD_SETTING.items():
+        clean_environment.setenv(variable, text)
     with pytest.raises(SettingsError) as refused:
         create_app()
     lines = refused.value.format_message().splitlines()
-    assert [line.split()[1] for line in lines] == ["MAX_CONTENT_LENGTH", "LOG_LEVEL"]
+    assert [line[: len(said)] for said, line in zip(EVERY_KIND_SAID, lines, strict=True)] == (
+        EVERY_KIND_SAID
+    )
 
 
 @pytest.mark.parametrize(
