@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar
 import click
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from flask import current_app
+from flask import current_app, g
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -106,6 +106,8 @@ def uses_database(
         @functools.wraps(command)
         def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
             click.echo(f"Database: {describe_database()}", err=True)
+            # Said once: a command that migrates in process (quickstart) would say it again.
+            g.database_said = True
             if schema:
                 require_schema()
             elif db.engine.url.get_backend_name() != "sqlite":

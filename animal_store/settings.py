@@ -163,9 +163,11 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
     url = config.get("DATABASE_URL")
     if isinstance(url, str) and unencoded_at(url) and "DATABASE_URL" not in bad:
         bad.append("DATABASE_URL")
-    said = retired + unknown + [
-        problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in bad
-    ]
+    said = (
+        retired
+        + unknown
+        + [problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in bad]
+    )
     if said:
         raise SettingsError("\n".join(said))
     config.update(loaded)

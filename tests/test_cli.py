@@ -106,6 +106,23 @@ def test_quickstart_again_while_its_server_runs_makes_a_key_and_exits(client, ru
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
 
+def test_quickstart_says_its_database_once(tmp_path):
+    # It migrates in process, and the migration says which database too.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "animal_store", "quickstart", "--port", port],
+            cwd=tmp_path,
+            env={**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/store.sqlite3"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 0, result.stderr
+    said = (result.stdout + result.stderr).count(f"Database: sqlite:///{tmp_path}/store.sqlite3")
+    assert said == 1, result.stderr
+
+
 # Which database a command uses, and a database without the schema.
 
 OPERATOR_SETTINGS = {

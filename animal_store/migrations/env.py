@@ -6,7 +6,7 @@ from logging.config import fileConfig
 from alembic import context
 from alembic.operations.ops import MigrationScript
 from alembic.runtime.migration import MigrationContext
-from flask import current_app
+from flask import current_app, g
 from flask_sqlalchemy import SQLAlchemy
 
 from animal_store.database import connect, describe_database
@@ -52,7 +52,8 @@ def run_migrations_online() -> None:
     conf_args = current_app.extensions["migrate"].configure_args
     conf_args.setdefault("process_revision_directives", skip_empty_autogenerate)
     # Which database `flask db ...` changes, and where that choice came from.
-    logger.info("Database: %s", describe_database())
+    if not g.get("database_said"):
+        logger.info("Database: %s", describe_database())
     # A database it cannot use is refused in one line, as by every other command (database.py).
     with connect() as connection:
         # Flask-Migrate's configure_args include render_as_batch, which SQLite needs for ALTERs.
