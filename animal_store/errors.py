@@ -480,9 +480,13 @@ def nginx_error_locations(config: "Settings") -> str:
         body = orjson.dumps(error_body(kind, message)).decode()
         lines = [f"        location = /errors/{status}.json {{"]
         if kind.headers:
-            # An add_header here replaces the outer ones, so X-Request-ID and nosniff are repeated.
+            # An add_header here replaces the outer ones, so X-Request-ID, nosniff and HSTS (its
+            # map in config/nginx.conf: over TLS only) are repeated.
             lines.append("            add_header X-Request-ID $animal_store_request_id always;")
             lines.append("            add_header X-Content-Type-Options nosniff always;")
+            lines.append(
+                "            add_header Strict-Transport-Security $animal_store_hsts always;"
+            )
             retry_after = NGINX_RETRY_AFTER.get(status, config.DATABASE_RETRY_AFTER)
             lines.append(f"            add_header Retry-After {retry_after} always;")
         lines += [f"            return {status} '{body}';", "        }"]
