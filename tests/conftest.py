@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from flask_migrate import upgrade
 from nginx_server import NGINX, PROJECT_DIR, Nginx, free_port, make_certificate, stop_process
 from playwright.sync_api import sync_playwright
+from postgres_cluster import BINDIR, PostgresCluster
 from redis_server import REDIS_SERVER, RedisServer
 
 from animal_store import RESOURCES, create_app
@@ -52,6 +53,16 @@ def migrated_database(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "store.sqlite3"
     migrate_to_head(f"sqlite:///{template}")
     return template
+
+
+def start_own_cluster(**options):
+    """Start a PostgreSQL cluster of the test's own (tests/postgres_cluster.py), or skip: such a
+    test runs in the pass without TEST_DATABASE_URL, since it brings its own server."""
+    if TEST_DATABASE_URL:
+        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
+    if BINDIR is None:
+        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
+    return PostgresCluster(**options)
 
 
 @pytest.fixture

@@ -14,9 +14,8 @@ from datetime import UTC, datetime, timedelta
 import click
 import pytest
 from alembic.script import ScriptDirectory
-from conftest import PROJECT_DIR, TEST_DATABASE_URL, migrate_to_head
+from conftest import PROJECT_DIR, migrate_to_head, start_own_cluster
 from flask_migrate import upgrade
-from postgres_cluster import BINDIR, PostgresCluster
 
 from animal_store import create_app
 from animal_store.database import describe_database
@@ -403,11 +402,7 @@ def test_the_table_has_every_command_that_touches_the_database():
 
 @pytest.fixture(scope="module")
 def password_cluster():
-    if TEST_DATABASE_URL:
-        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
-    if BINDIR is None:
-        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
-    cluster = PostgresCluster(passwords=True)
+    cluster = start_own_cluster(passwords=True)
     cluster.create_role(ROLE, ROLE_PASSWORD)
     cluster.create_database("store", owner=ROLE)
     yield cluster

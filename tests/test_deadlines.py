@@ -20,10 +20,9 @@ import psycopg
 import pytest
 import requests
 import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL, migrate_to_head
+from conftest import migrate_to_head, start_own_cluster
 from nginx_server import PROJECT_DIR
 from pgbouncer_server import PGBOUNCER, PgBouncer
-from postgres_cluster import BINDIR, PostgresCluster
 from werkzeug.serving import make_server
 
 from animal_store import default_settings
@@ -49,11 +48,7 @@ SETTINGS = {"ANIMAL_STORE_DATABASE_DEADLINE": str(DEADLINE)}
 @pytest.fixture(scope="session")
 def own_cluster():
     """A cluster for these tests, with a migrated database to copy."""
-    if TEST_DATABASE_URL:
-        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
-    if BINDIR is None:
-        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
-    cluster = PostgresCluster()
+    cluster = start_own_cluster()
     migrate_to_head(cluster.create_database("migrated"))
     yield cluster
     cluster.stop()

@@ -88,18 +88,7 @@ def test_production_start_without_database_url_fails_loudly(tmp_path):
     environment = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     environment["ANIMAL_STORE_ENV"] = "production"
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            "config/gunicorn.conf.py",
-            "wsgi:app",
-            "--bind",
-            "127.0.0.1:0",
-            "--workers",
-            "1",
-        ],
+        [*GUNICORN, "--bind", "127.0.0.1:0", "--workers", "1"],
         cwd=PROJECT_DIR,
         env=environment,
         capture_output=True,

@@ -14,9 +14,9 @@ from urllib.parse import quote
 
 import pytest
 import requests
-from conftest import PROJECT_DIR, TEST_DATABASE_URL, Gunicorn
-from postgres_cluster import BINDIR, PostgresCluster
+from conftest import PROJECT_DIR, Gunicorn, start_own_cluster
 from sqlalchemy.engine import make_url
+from test_gunicorn import GUNICORN
 
 from animal_store import create_app
 from animal_store.auth import new_key
@@ -197,18 +197,7 @@ def test_the_flask_command_refuses_a_malformed_database_url_in_one_masked_line(u
 def test_gunicorn_logs_the_refusal_of_a_malformed_database_url_masked(tmp_path, case):
     url, why = MALFORMED[case]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            "config/gunicorn.conf.py",
-            "wsgi:app",
-            "--bind",
-            "127.0.0.1:0",
-            "--workers",
-            "1",
-        ],
+        [*GUNICORN, "--bind", "127.0.0.1:0", "--workers", "1"],
         cwd=PROJECT_DIR,
         env=operator_environment(
             DATABASE_URL=url, TMPDIR=str(tmp_path), PROMETHEUS_MULTIPROC_DIR=""
@@ -235,11 +224,7 @@ LOCKED_USER = "shop_locked"  # whose password is another: PASSWORD is a wrong on
 
 @pytest.fixture(scope="module")
 def cluster():
-    if TEST_DATABASE_URL:
-        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
-    if BINDIR is None:
-        pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
-    cluster = PostgresCluster(passwords=True)
+    cluster = start_own_cluster(passwords=True)
     cluster.create_role(USER, PASSWORD)
     cluster.create_role(LOCKED_USER, uuid.uuid4().hex)
     yield cluster
