@@ -158,15 +158,13 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
     loaded, problems = settings_schema.load(
         {name: config[name] for name in DECLARED if name in config}
     )
-    bad = list(problems)
-    # SQLAlchemy reads such a URL (its password ends at the first @), but with another host.
-    url = config.get("DATABASE_URL")
-    if isinstance(url, str) and unencoded_at(url) and "DATABASE_URL" not in bad:
-        bad.append("DATABASE_URL")
     said = (
         retired
         + unknown
-        + [problem(name, config.get(name), sources.get(name, (DEFAULTS, None))) for name in bad]
+        + [
+            problem(name, config.get(name), sources.get(name, (DEFAULTS, None)))
+            for name in problems
+        ]
     )
     if said:
         raise SettingsError("\n".join(said))
@@ -181,7 +179,7 @@ def problem(name: str, value: Any, source: tuple[str, str | None]) -> str:
     given = text if text is not None else value
     shown = repr(masked_url(given)) if isinstance(given, str) else masked_url(repr(given))
     origin = "" if where == name else f" from {where}"
-    if name == "DATABASE_URL" and isinstance(given, str) and unencoded_at(given):
+    if name == "DATABASE_URL" and isinstance(given, str) and settings_schema.unencoded_at(given):
         return (
             f"Setting {name}{origin} is {shown}: its password holds an @, which a URL must give "
             "as %40 (percent-encode the whole password, docs/deploy.rst, step 3)."
@@ -207,15 +205,6 @@ def masked_url(url: str | URL) -> str:
         user, colon, _ = credentials.partition(":")
         text = f"{scheme}{separator}{user}:***@{location}" if at and colon else url
     return QUERY_PASSWORD.sub(r"\1***", text)
-
-
-def unencoded_at(url: str) -> bool:
-    """Tell whether a URL's password holds an @ not written %40: more than one @ follows
-    "://user:". SQLAlchemy ends the password at the first, and the rest of it becomes the host,
-    shown in messages, or a port it cannot read."""
-    credentials = url.partition("://")[2].rpartition("@")[0]
-    _, colon, password = credentials.partition(":")
-    return bool(colon) and "@" in password
 
 
 def parses_as_json(text: str) -> bool:

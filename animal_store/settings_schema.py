@@ -88,9 +88,21 @@ def check_database_url(url: str) -> None:
         parsed = make_url(url)
     except ArgumentError as error:
         raise ValueError(url) from error
+    if unencoded_at(url):
+        # SQLAlchemy reads such a URL (its password ends at the first @), but with another host.
+        raise ValueError(url)
     drivers = DATABASE_DRIVERS.get(parsed.get_backend_name())
     if drivers is None or parsed.drivername.partition("+")[2] not in ("", *drivers):
         raise ValueError(url)
+
+
+def unencoded_at(url: str) -> bool:
+    """Tell whether a URL's password holds an @ not written %40: more than one @ follows
+    "://user:". SQLAlchemy ends the password at the first, and the rest of it becomes the host,
+    shown in messages, or a port it cannot read."""
+    credentials = url.partition("://")[2].rpartition("@")[0]
+    _, colon, password = credentials.partition(":")
+    return bool(colon) and "@" in password
 
 
 def check_redis_or_memory(uri: str) -> None:
