@@ -8,6 +8,7 @@ from flask import Blueprint, Flask
 
 from animal_store import health, openapi, pets
 from animal_store.api import register_api
+from animal_store.body import refuse_unsupported_framing
 from animal_store.cli import register_commands
 from animal_store.deadlines import init_deadlines
 from animal_store.extensions import db, migrate, tune_sqlite_connections
@@ -47,7 +48,7 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, *start_deadline, metrics.begin),
+        before=(start_timer, *start_deadline, metrics.begin, refuse_unsupported_framing),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),

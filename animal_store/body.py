@@ -22,6 +22,32 @@ BODY_ERRORS = (
 
 # JSON's whitespace (RFC 8259): a body of nothing else is empty, not a JSON error at its end.
 JSON_WHITESPACE = b" \t\r\n"
+# The one transfer coding and the one expectation the service takes (docs/errors.rst).
+CHUNKED = "chunked"
+CONTINUE = "100-continue"
+
+
+def refuse_unsupported_framing() -> None:
+    """Refuse, before any view, a body sent in a way the service does not take: 501 for a
+    `Transfer-Encoding` other than chunked alone (RFC 9112, section 6.1), 400 for one in an
+    HTTP/1.0 request, which has no transfer codings, and 417 for an `Expect` other than
+    100-continue (RFC 9110, section 10.1.1).
+
+    nginx and gunicorn refuse these before the app (config/nginx.conf, gunicorn_errors.py); this
+    step gives the same answers where they do not: on the development server, which lets every
+    coding and expectation by, and for the `gzip, chunked` gunicorn lets by with the body still
+    compressed.
+    """
+    environ = request.environ
+    coding = environ.get("HTTP_TRANSFER_ENCODING")
+    if coding is not None:
+        if environ["SERVER_PROTOCOL"] == "HTTP/1.0":
+            raise errors.BAD_REQUEST()
+        if coding.strip(" \t").lower() != CHUNKED:
+            raise errors.NOT_IMPLEMENTED()
+    expectation = environ.get("HTTP_EXPECT")
+    if expectation is not None and expectation.strip(" \t").lower() != CONTINUE:
+        raise errors.EXPECTATION_FAILED()
 
 
 def json_object_body() -> dict[str, Any]:

@@ -463,7 +463,7 @@ def register_error_handlers(app: Flask) -> None:
 
 
 # What nginx answers itself (config/nginx.conf, error_page), by the status it answers with.
-NGINX_ANSWERS = (400, 413, 414, 429, 431, 500, 502, 503, 504)
+NGINX_ANSWERS = (400, 413, 414, 417, 429, 431, 500, 501, 502, 503, 504)
 # nginx's own kind where it is not the app's kind of the status: its 429 is limit_conn's.
 NGINX_KINDS = {**KIND_OF_STATUS, 429: TOO_MANY_CONNECTIONS}
 # Retry-After of nginx's answers that carry one: limit_conn's 429 frees as soon as one of the

@@ -1,6 +1,7 @@
 """A connection survives an error answer to a request whose body was never read, or the answer
 says `Connection: close` and the server closes it: against gunicorn directly and through nginx,
-for bodies below, at and far above the limit, sent with Content-Length and chunked.
+for bodies below, at and far above the limit, sent with Content-Length and chunked. A body sent
+in a way the service does not take gets the same refusal on every path.
 
 A raw HTTP/1.1 client, so that what happens on the connection is what the test sees: a library
 would reconnect behind its back.
@@ -13,6 +14,7 @@ import ssl
 import threading
 
 import pytest
+from werkzeug.serving import make_server
 
 LIMIT = 64 * 1024
 SIZES = [1024, LIMIT, LIMIT + 1, 200_000, 2_000_000]
@@ -26,6 +28,37 @@ UNREAD = {
     # The body is read up to the limit: what is below it is no JSON (400), what is over is 413.
     "too-large": ("POST", "/v1/pets", {"auth": True, "type": "application/json"}, 413),
 }
+
+# A body sent in a way the service does not take, by the header that says how, and the one status
+# every path refuses it with, before any view (docs/errors.rst): a transfer coding other than
+# chunked alone, any in HTTP/1.0, and an expectation other than 100-continue.
+# tests/test_deploy.py sends them through nginx.
+FRAMING_REFUSALS = {
+    "Transfer-Encoding: gzip": 501,
+    "Transfer-Encoding: identity": 501,
+    "Transfer-Encoding: x-unknown": 501,
+    # gunicorn lets this one by, the body still compressed: the app refuses it.
+    "Transfer-Encoding: gzip, chunked": 501,
+    "Transfer-Encoding: chunked, gzip": 501,
+    "Transfer-Encoding: chunked, chunked": 501,
+    "HTTP/1.0 Transfer-Encoding: chunked": 400,
+    "HTTP/1.0 Transfer-Encoding: gzip": 400,
+    "Expect: pay-first": 417,
+    "Expect: 100-continue, pay-first": 417,
+}
+VALID = b'{"name":"Rex","categoryId":1}'
+
+
+def framed_request(case, api_key):
+    """The HTTP version, header lines and body of a creation that says how its body comes by the
+    header of `case`: chunked where the header ends with chunked, with a Content-Length where it
+    sends no coding."""
+    version, header = case.split(" ", 1) if case.startswith("HTTP/") else ("HTTP/1.1", case)
+    name = header.partition(": ")[0]
+    lines = [f"Authorization: Bearer {api_key}", "Content-Type: application/json", header]
+    if name == "Transfer-Encoding":
+        return version, lines, b"%x\r\n%s\r\n0\r\n\r\n" % (len(VALID), VALID)
+    return version, [*lines, f"Content-Length: {len(VALID)}"], VALID
 
 
 class Connection:
@@ -57,6 +90,11 @@ class Connection:
             self.send_quietly(head + body)
         else:
             threading.Thread(target=self.send_quietly, args=(head + body,), daemon=True).start()
+
+    def send_raw(self, version, method, path, headers, body):
+        """Send a request with exactly these header lines and body bytes."""
+        lines = [f"{method} {path} {version}", "Host: 127.0.0.1", "Connection: close", *headers]
+        self.send_quietly(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
 
     def send_quietly(self, data):
         # The server may answer and close before it takes it all: the answer counts.
@@ -146,3 +184,30 @@ def test_nginx_keeps_the_clients_connection_after_an_unread_body(
     nginx = start_nginx([gunicorn.url.removeprefix("http://")])
     context = ssl.create_default_context(cafile=str(certificate[0]))
     check_connection_after_unread_body(nginx.https_port, api_key, case, True, context)
+
+
+@pytest.fixture(params=["gunicorn", "development server"])
+def server_port(request, app):
+    """The port of gunicorn, or of the threaded development server (`flask run`, quickstart)."""
+    if request.param == "gunicorn":
+        yield request.getfixturevalue("start_gunicorn")(workers=1).port
+        return
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.port
+    server.shutdown()
+
+
+@pytest.mark.parametrize(("case", "status"), FRAMING_REFUSALS.items())
+def test_a_body_sent_in_a_way_not_taken_is_refused_alike(
+    server_port, api_key, count_pets, case, status
+):
+    connection = Connection(server_port)
+    try:
+        version, lines, body = framed_request(case, api_key)
+        connection.send_raw(version, "POST", "/v1/pets", lines, body)
+        answered, _, body = connection.read_response()
+    finally:
+        connection.close()
+    assert (answered, json.loads(body)["status"]) == (status, status)
+    assert count_pets() == 0

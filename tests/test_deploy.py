@@ -14,6 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import psycopg
 import pytest
 import requests
@@ -23,6 +26,7 @@ from nginx_server import NGINX
 from pgbouncer_server import PGBOUNCER, PgBouncer
 from psycopg.rows import dict_row
 from requests.structures import CaseInsensitiveDict
+from test_connections import FRAMING_REFUSALS, VALID, Connection, framed_request
 
 from animal_store import default_settings, errors
 from animal_store.extensions import db
@@ -274,6 +278,76 @@ def test_refusals_at_the_edge_are_the_apps_error_objects(
     response = http.request(url=url, headers=headers, **kwargs)
     assert_error_object(response, status, http.protocol)
     assert request_lines(gunicorn) == []
+
+
+def h2_request(port, tls_context, method, path, headers, body):
+    """One request over HTTP/2 with exactly these header fields, even those HTTP/2 forbids (curl
+    drops a Transfer-Encoding); return (status, headers, body) of the answer."""
+    tls_context.set_alpn_protocols(["h2"])
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    with tls_context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        # h2 would drop the fields HTTP/2 forbids, or refuse them: neither, here.
+        config = h2.config.H2Configuration(
+            validate_outbound_headers=False, normalize_outbound_headers=False
+        )
+        connection = h2.connection.H2Connection(config)
+        connection.initiate_connection()
+        pseudo = [(":method", method), (":scheme", "https"), (":authority", "127.0.0.1")]
+        fields = [(name.lower(), value) for name, value in headers]
+        connection.send_headers(1, [*pseudo, (":path", path), *fields])
+        connection.send_data(1, body, end_stream=True)
+        tls.sendall(connection.data_to_send())
+        answer, content = {}, b""
+        while True:
+            for event in connection.receive_data(tls.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived):
+                    answer = {name.decode(): value.decode() for name, value in event.headers}
+                elif isinstance(event, h2.events.DataReceived):
+                    content += event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    return int(answer.pop(":status")), answer, content
+            tls.sendall(connection.data_to_send())
+
+
+# Each case over both protocols, but HTTP/1.0's over HTTP/1.1's connection only.
+FRAMING_CASES = [
+    (protocol, case, status)
+    for case, status in FRAMING_REFUSALS.items()
+    for protocol in PROTOCOLS
+    if protocol == "HTTP/1.1" or not case.startswith("HTTP/1.0")
+]
+
+
+@pytest.mark.parametrize(("protocol", "case", "status"), FRAMING_CASES)
+def test_a_body_sent_in_a_way_not_taken_is_refused_as_gunicorn_does(
+    start_gunicorn, start_nginx, certificate, api_key, count_pets, protocol, case, status
+):
+    """The same status and error object as gunicorn and the development server answer
+    (tests/test_connections.py), from nginx itself: the app never sees the request."""
+    gunicorn = start_gunicorn(workers=1)
+    nginx = start_nginx([address(gunicorn)])
+    context = ssl.create_default_context(cafile=str(certificate[0]))
+    version, lines, body = framed_request(case, api_key)
+    if protocol == "HTTP/2":
+        # HTTP/2 frames the body itself: the header is sent as it is, the body bare.
+        fields = [line.split(": ", 1) for line in lines if not line.startswith("Content-Length")]
+        answered, headers, content = h2_request(
+            nginx.https_port, context, "POST", "/v1/pets", fields, VALID
+        )
+    else:
+        connection = Connection(nginx.https_port, context)
+        try:
+            connection.send_raw(version, "POST", "/v1/pets", lines, body)
+            answered, headers, content = connection.read_response()
+        finally:
+            connection.close()
+    assert answered == status
+    assert headers["content-type"] == "application/json"
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
+    assert json.loads(content) == catalogue_body(status)
+    assert request_lines(gunicorn) == []
+    assert count_pets() == 0
 
 
 def test_the_longest_uri_gunicorn_takes_reaches_the_app(start_gunicorn, start_nginx, http, auth):
