@@ -23,6 +23,10 @@ from flask import Response, current_app
 
 from animal_store.extensions import settings
 
+# Where each process keeps its answers: in the app's extensions, so forgetting them is removing
+# them (failover.py).
+KEPT = "animal_store_answers"
+
 
 class Kept(NamedTuple):
     """A kept answer: a tuple, as cheap to make and unpack as one, with its parts named."""
@@ -53,10 +57,10 @@ class Answers:
 
 def answers() -> Answers:
     """This app's answers, made on first use so each process (worker) has its own."""
-    kept: Answers | None = current_app.extensions.get("animal_store_answers")
+    kept: Answers | None = current_app.extensions.get(KEPT)
     if kept is None:
         kept = current_app.extensions.setdefault(
-            "animal_store_answers", Answers(settings(current_app).ANSWER_CACHE_BYTES)
+            KEPT, Answers(settings(current_app).ANSWER_CACHE_BYTES)
         )
     return kept
 

@@ -105,13 +105,17 @@ class KeyCache:
                 self.entries[key_hash] = entry
 
 
+# Where each process keeps its valid keys (failover.py forgets them by removing the entry).
+KEY_CACHE = "animal_store_key_cache"
+
+
 def key_cache() -> KeyCache:
     """Return this app's key cache, made on first use so each process (worker) has its own."""
-    cache: KeyCache | None = current_app.extensions.get("animal_store_key_cache")
+    cache: KeyCache | None = current_app.extensions.get(KEY_CACHE)
     if cache is None:
         config = settings(current_app)
         cache = current_app.extensions.setdefault(
-            "animal_store_key_cache", KeyCache(config.KEY_CACHE_SECONDS, config.KEY_CACHE_SIZE)
+            KEY_CACHE, KeyCache(config.KEY_CACHE_SECONDS, config.KEY_CACHE_SIZE)
         )
     return cache
 

@@ -243,6 +243,13 @@ DATABASE_UNAVAILABLE = ErrorKind(
     "The database cannot be reached or written just now; nothing was changed.",
     ("Retry-After",),
 )
+DATABASE_READ_ONLY = ErrorKind(
+    503,
+    "service_unavailable",
+    "The database takes no writes just now; retry later.",
+    "The database takes only reads (a standby, during a failover); nothing was changed.",
+    ("Retry-After",),
+)
 SERVICE_UNAVAILABLE = ErrorKind(
     503,
     "service_unavailable",
@@ -286,6 +293,9 @@ SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "loc
 # How the drivers name a unique constraint's refusal: PostgreSQL's SQLSTATE, SQLite's extended
 # result codes (Python's sqlite3 says them by name).
 UNIQUE_VIOLATION = "23505"
+# PostgreSQL's refusal of a write by a server that takes only reads: a hot standby, a primary
+# demoted to one, a database with default_transaction_read_only.
+READ_ONLY_SQL_TRANSACTION = "25006"
 SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
 
 # Headers of the underlying exception that still mean something on our error response.
@@ -396,6 +406,8 @@ def is_database_outage(error: BaseException) -> bool:
     """Tell a database that cannot be reached or written from a bug in our SQL."""
     if isinstance(error, sa_exc.DisconnectionError | sa_exc.TimeoutError):
         return True  # the pool gave up reconnecting, or every connection stayed busy
+    if is_read_only_refusal(error):
+        return True
     if not isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError):
         return False
     if db.engine.dialect.name == "sqlite":
@@ -403,6 +415,10 @@ def is_database_outage(error: BaseException) -> bool:
         message = str(error.orig).lower()
         return any(fragment in message for fragment in SQLITE_OUTAGE_MESSAGES)
     return True
+
+
+def is_read_only_refusal(error: BaseException) -> bool:
+    return getattr(getattr(error, "orig", None), "sqlstate", None) == READ_ONLY_SQL_TRANSACTION
 
 
 def handle_database_outage(error: BaseException) -> ErrorAnswer:
@@ -415,14 +431,14 @@ def handle_database_outage(error: BaseException) -> ErrorAnswer:
         db.session.rollback()
     except sa_exc.SQLAlchemyError:
         db.session.close()
-    return handle_api_error(database_unavailable())
+    return handle_api_error(database_unavailable(read_only=is_read_only_refusal(error)))
 
 
-def database_unavailable() -> APIError:
-    """The one answer for a database that cannot be reached or written, /readyz's included."""
-    return DATABASE_UNAVAILABLE(
-        headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)}
-    )
+def database_unavailable(read_only: bool = False) -> APIError:
+    """The one answer for a database that cannot be reached or written, /readyz's included;
+    `read_only` when it answers but takes no writes."""
+    kind = DATABASE_READ_ONLY if read_only else DATABASE_UNAVAILABLE
+    return kind(headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)})
 
 
 def raw_error_response(status: int) -> bytes:

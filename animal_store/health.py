@@ -10,6 +10,8 @@ from animal_store.errors import database_unavailable
 from animal_store.extensions import db, settings
 
 bp = Blueprint("health", __name__)
+# "on" in a hot standby's transactions, and in a database's with default_transaction_read_only.
+READ_ONLY = text("SELECT current_setting('transaction_read_only')")
 
 
 @bp.get("/healthz")
@@ -29,19 +31,29 @@ def readyz() -> tuple[dict[str, str], int]:
     at most.
     """
     try:
-        check_database()
+        takes_writes = check_database()
     except SQLAlchemyError:
         db.session.rollback()
         current_app.logger.warning("Readiness check failed: the database did not answer")
         raise database_unavailable() from None
+    if not takes_writes:
+        current_app.logger.warning("Readiness check failed: the database takes no writes")
+        raise database_unavailable(read_only=True)
     counting = rate_limits.counting(current_app)
     status = "degraded" if counting == rate_limits.UNREACHABLE else "ok"
     return {"status": status, "rateLimits": counting}, 200
 
 
-def check_database() -> None:
+def check_database() -> bool:
+    """Ask the database whether it takes writes: a standby, or a primary set read-only, does not
+    (SQLite always does)."""
     # Its own deadline, enforced from the client as every request's is: a stalled server would
     # never enforce a statement_timeout. Running past it holds no other request back.
     shorten_deadline(settings(current_app).READYZ_TIMEOUT)
-    db.session.execute(text("SELECT 1"))
+    if db.engine.dialect.name == "postgresql":
+        takes_writes: bool = db.session.scalar(READ_ONLY) == "off"
+    else:
+        db.session.execute(text("SELECT 1"))
+        takes_writes = True
     db.session.rollback()
+    return takes_writes

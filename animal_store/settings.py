@@ -12,7 +12,7 @@ from typing import Any
 import click
 from flask import Config, Flask
 from marshmallow import fields
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
 from animal_store import settings_schema
 from animal_store.extensions import settings
@@ -220,7 +220,7 @@ def database_uri(app: Flask) -> str:
     if not url:
         os.makedirs(app.instance_path, exist_ok=True)
         return "sqlite:///" + os.path.join(app.instance_path, settings(app).SQLITE_FILENAME)
-    parsed = make_url(url)
+    parsed = settings_schema.parse_database_url(url)
     # A plain postgresql:// (or Heroku-style postgres://) URL means psycopg 3, our driver.
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")

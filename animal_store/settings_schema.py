@@ -16,7 +16,7 @@ from typing import Any, NotRequired, TypedDict
 from limits import parse_many
 from marshmallow import Schema, ValidationError, fields, validates_schema
 from marshmallow.validate import Length, OneOf, Range, Regexp
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from animal_store.contract import BASE_PATH
@@ -83,9 +83,27 @@ def validator(check: Callable[[Any], object], message: str) -> Callable[[Any], N
     return validate
 
 
+def parse_database_url(url: str) -> URL:
+    """Read a database URL, libpq's form with several hosts included.
+
+    libpq and psycopg write the hosts a client tries in turn in the URL's host part,
+    `postgresql://store@h1:5432,h2:5432/store?target_session_attrs=read-write`, which SQLAlchemy
+    cannot read. SQLAlchemy writes them as query parameters, `postgresql://store@/store?host=
+    h1:5432&host=h2:5432&...`, and hands them to psycopg as libpq's. Both mean the same here.
+    """
+    rest, _, query = url.partition("?")
+    scheme, separator, authority = rest.partition("://")
+    credentials, at, location = authority.rpartition("@")
+    hosts, _, database = location.partition("/")
+    if separator and "," in hosts:
+        listed = "&".join(f"host={host}" for host in hosts.split(","))
+        url = f"{scheme}://{credentials}{at}/{database}?{listed}{'&' if query else ''}{query}"
+    return make_url(url)
+
+
 def check_database_url(url: str) -> None:
     try:
-        parsed = make_url(url)
+        parsed = parse_database_url(url)
     except ArgumentError as error:
         raise ValueError(url) from error
     if unencoded_at(url):
@@ -94,6 +112,13 @@ def check_database_url(url: str) -> None:
     drivers = DATABASE_DRIVERS.get(parsed.get_backend_name())
     if drivers is None or parsed.drivername.partition("+")[2] not in ("", *drivers):
         raise ValueError(url)
+    # Several hosts are read as query parameters, which SQLAlchemy does not check as it checks
+    # the host part: a port that is no number would fail at the first connection instead.
+    hosts = parsed.query.get("host", ())
+    for host in (hosts,) if isinstance(hosts, str) else hosts:
+        _, colon, port = host.rpartition(":")
+        if colon and not port.isdigit():
+            raise ValueError(url)
 
 
 def unencoded_at(url: str) -> bool:
@@ -176,8 +201,11 @@ class Settings:
             "a database URL such as postgresql://user:password@host:5432/name or "
             "sqlite:////absolute/path, or null (SQLite in the instance folder)",
         ),
-        "SQLAlchemy URL of the database; ``postgresql://...`` uses psycopg 3. ``null``: SQLite "
-        "in ``instance/`` (development). Usually set as ``DATABASE_URL`` (`Environment "
+        "SQLAlchemy URL of the database; ``postgresql://...`` uses psycopg 3. Several PostgreSQL "
+        "hosts, tried in turn, in libpq's form (``postgresql://user:password@h1:5432,h2:5432/"
+        "name?target_session_attrs=read-write``) or SQLAlchemy's (``...@/name?host=h1:5432&"
+        "host=h2:5432&...``) (`High availability <deploy.rst#high-availability>`__). ``null``: "
+        "SQLite in ``instance/`` (development). Usually set as ``DATABASE_URL`` (`Environment "
         "variables`_)",
     )
     SQLITE_FILENAME: str = setting(

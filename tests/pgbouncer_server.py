@@ -2,7 +2,9 @@
 and database; in front of the test PostgreSQL, for a role whose server connections are capped."""
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -81,6 +83,15 @@ class PgBouncer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
+
+    def repoint(self, server_url):
+        """Point the database at another server, as docs/deploy.rst has an operator do after a
+        failover: its [databases] line edited, then `systemctl reload pgbouncer`, which sends
+        the process SIGHUP (Debian's unit)."""
+        config = self.directory / "pgbouncer.ini"
+        line = f"host={server_url.host} port={server_url.port} "
+        config.write_text(re.sub(r"host=\S+ port=\d+ ", line, config.read_text(), count=1))
+        os.kill(self.process.pid, signal.SIGHUP)
 
     def wait_until_serving(self, timeout=10):
         wait_for_port(self.process, self.port, "pgbouncer", self.log, timeout)

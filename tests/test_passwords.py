@@ -79,6 +79,10 @@ MASKED = {
         "postgresql://store:Pa55@w0rd:never-printed@127.0.0.1:5432/store",
         "postgresql://store:***@127.0.0.1:5432/store",
     ),
+    "several hosts, libpq's form": (
+        f"postgresql://store:{PASSWORD}@127.0.0.1:5432,127.0.0.2:5432/store",
+        "postgresql://store:***@127.0.0.1:5432,127.0.0.2:5432/store",
+    ),
     "no scheme": (f"store:{PASSWORD}@127.0.0.1/store", "store:***@127.0.0.1/store"),
     "Redis, no user": (
         f"redis://:{PASSWORD}@127.0.0.1:6379/0",
@@ -132,6 +136,18 @@ MALFORMED = {
     ),
     "a port that is no number": (
         f"postgresql://{USER}:{PASSWORD}@127.0.0.1:54x2/store",
+        "expected a database URL",
+    ),
+    "several hosts, an @ in the password": (
+        f"postgresql://{USER}:Pa55@w0rd-never-printed@127.0.0.1:5432,127.0.0.2:5432/store",
+        "its password holds an @",
+    ),
+    "several hosts, a port that is no number": (
+        f"postgresql://{USER}:{PASSWORD}@127.0.0.1:5432,127.0.0.2:54x2/store",
+        "expected a database URL",
+    ),
+    "several hosts as SQLAlchemy writes them, a port that is no number": (
+        f"postgresql://{USER}:{PASSWORD}@/store?host=127.0.0.1:5432&host=127.0.0.2:54x2",
         "expected a database URL",
     ),
     "a driver it does not use": (

@@ -75,6 +75,8 @@ class Load:
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
         self.acknowledged: list[dict] = []
+        # Every answer: (when, its status or the client's error, its Retry-After, its JSON).
+        self.answers: list[tuple[float, int | str, str | None, object]] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.threads = [
@@ -103,10 +105,14 @@ class Load:
                     outcome = response.status_code
                 except requests.RequestException as error:
                     response, outcome = None, type(error).__name__
+                answer = (time.monotonic(), outcome, *details(response))
                 with self.lock:
+                    self.answers.append(answer)
                     self.statuses[outcome] += 1
                     if outcome not in (200, 201):
-                        self.failures.append(f"{outcome}: {response.text if response else ''}")
+                        self.failures.append(
+                            f"{outcome}: {response.text if response is not None else ''}"
+                        )
                     elif outcome == 201:
                         self.acknowledged.append(response.json())
                 n += 1
@@ -127,6 +133,17 @@ class Load:
         while self.answered() < target and time.monotonic() < deadline:
             time.sleep(0.05)
         assert self.answered() >= target, f"the load stalled: {self.statuses}"
+
+
+def details(response):
+    """An answer's Retry-After and its JSON (None for a body that is none)."""
+    if response is None:
+        return None, None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    return response.headers.get("Retry-After"), body
 
 
 def walk(url, certificate, key):

@@ -34,6 +34,7 @@ LAYER_ERRORS = (
     errors.TOO_MANY_AUTH_FAILURES,
     errors.INTERNAL_ERROR,
     errors.DATABASE_UNAVAILABLE,
+    errors.DATABASE_READ_ONLY,
 )
 # Answered by routing, before any view is chosen: the operation's own headers are not added.
 ROUTING_ERRORS = {405}

@@ -12,6 +12,7 @@ from animal_store.api.document import document_layer, make_api
 from animal_store.api.policies import Policies
 from animal_store.auth_failures import init_auth_failures
 from animal_store.contract import BASE_PATH
+from animal_store.failover import init_failover
 
 # Where the API lives on every server; OPENAPI_SERVERS urls must end with it.
 LAYER = "v1"
@@ -24,6 +25,9 @@ def register_api(app: flask.Flask, resources: Iterable[flask.Blueprint]) -> Poli
     policies = Policies(rate_limits.init_rate_limits(app), LAYER)
     init_auth_failures(app, policies.limiter)
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
+    # First: a key or an answer this worker kept is used only from the database it came from.
+    for step in init_failover(app):
+        layer.before_request(step)
     layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)
     layer._prepare_doc_cbks.append(document_layer)

@@ -1,0 +1,103 @@
+"""The database changing under a running service: a failover, or PgBouncer pointed elsewhere.
+
+Two things follow from it, both on PostgreSQL (docs/deploy.rst, High availability):
+
+- A server that takes only reads (a hot standby, a primary demoted to one, a database with
+  default_transaction_read_only) refuses a write with SQLSTATE 25006. That is an outage, not a
+  bug: the request is answered 503 with Retry-After (errors.py), and its connection is marked
+  disconnected, so SQLAlchemy drops it and every other connection the pool held then. The next
+  request connects again, and with several hosts in DATABASE_URL and
+  target_session_attrs=read-write, libpq skips to the one that takes writes.
+- Each worker keeps what it read (answers.py's bodies, auth.py's valid keys, keyset.py's settled
+  ids) and answers from them without asking the database. A standby promoted after the primary
+  was lost may lack the last creations (asynchronous replication) and give their ids out again:
+  what the worker kept would then contradict the database. So at most once a second, on a
+  request of the API layer, each worker asks the database which server it is (when its
+  postmaster started: another server, or one restarted, started at another time). When it is
+  another, or cannot be told, the worker forgets all it kept before it answers. A worker thus
+  answers from what it kept at most a second after its database stopped being the one it read
+  them from.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from flask import Flask, current_app
+from sqlalchemy import event, text
+from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.exc import SQLAlchemyError
+
+from animal_store import answers, auth, keyset
+from animal_store.errors import READ_ONLY_SQL_TRANSACTION
+from animal_store.extensions import db
+
+# What each worker keeps from the database, by its place in app.extensions: each is made again
+# from the database on first use, so forgetting one is removing it. A new memo of data goes here.
+MEMOS = (answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS)
+# How long a worker answers from what it kept before it asks the database again who it is.
+CONFIRM_EVERY = 1.0
+SERVER = text("SELECT pg_postmaster_start_time()")
+STATE = "animal_store_failover"
+
+
+class Server:
+    """Which server this worker's memos came from, and when to ask again. Requests on several
+    threads (the development server) may ask at once: both answers are the same server."""
+
+    def __init__(self) -> None:
+        self.started: datetime | None = None
+        self.ask_at = 0.0
+        self.lock = threading.Lock()
+
+
+def init_failover(app: Flask) -> tuple[Callable[[], None], ...]:
+    """On PostgreSQL: drop connections to a server that takes only reads, and return the step
+    that confirms the database before a request of the layer; on SQLite (one file) nothing."""
+    with app.app_context():
+        engine = db.engine
+    if engine.dialect.name != "postgresql":
+        return ()
+
+    @event.listens_for(engine, "handle_error")
+    def drop_read_only_connections(context: ExceptionContext) -> None:
+        sqlstate = getattr(context.original_exception, "sqlstate", None)
+        if sqlstate == READ_ONLY_SQL_TRANSACTION:
+            context.is_disconnect = True
+
+    app.extensions[STATE] = Server()
+    return (confirm_database,)
+
+
+def confirm_database() -> None:
+    """Forget what this worker kept when its database is not the server it was read from, or
+    cannot say which it is; asked at most once every CONFIRM_EVERY seconds."""
+    server: Server = current_app.extensions[STATE]
+    now = time.monotonic()
+    if now < server.ask_at:
+        return
+    server.ask_at = now + CONFIRM_EVERY
+    try:
+        started = db.session.scalar(SERVER)
+    except SQLAlchemyError:
+        db.session.rollback()
+        # The database does not answer: what it will hold when it does is unknown.
+        forget(None, server)
+        return
+    if started != server.started:
+        forget(started, server)
+
+
+def forget(started: datetime | None, server: Server) -> None:
+    with server.lock:
+        if server.started is not None:
+            current_app.logger.warning(
+                "The database is not the server this worker read from (its server started %s, "
+                "now %s): forgetting the answers, keys and ids it kept",
+                server.started.isoformat(),
+                started.isoformat() if started else "unknown: it does not answer",
+            )
+        for memo in MEMOS:
+            current_app.extensions.pop(memo, None)
+        server.started = started
