@@ -79,9 +79,11 @@ def confirm_database() -> None:
         return
     server.ask_at = now + CONFIRM_EVERY
     try:
-        started = db.session.scalar(SERVER)
+        # A connection of its own, given back at once: the request's session stays out of any
+        # transaction, which behind PgBouncer would hold a server connection for the request.
+        with db.engine.connect() as connection:
+            started = connection.scalar(SERVER)
     except SQLAlchemyError:
-        db.session.rollback()
         # The database does not answer: what it will hold when it does is unknown.
         forget(None, server)
         return
