@@ -16,6 +16,7 @@ database, wrk with 32 connections POSTing animals, on fast and on 2 ms commits i
     python benchmarks/creations.py --writers 16 --duration 10 --rounds 3
     python benchmarks/creations.py --service             # through gunicorn and wrk
     python benchmarks/creations.py --instructions 1000   # instructions an insert, callgrind
+    python benchmarks/creations.py --replication         # no standby, async, sync
 
 --instructions counts the CPU instructions the server spends on one creation, the service's
 against a plain INSERT, with valgrind's callgrind: the same count whatever else the machine does,
@@ -25,11 +26,23 @@ each in a transaction of its own, and takes the difference: what one more creati
 start and end left out. One writer, so no waiting and no lock handed over: the trigger's own
 work.
 
+--replication measures what a streaming standby costs the primary's creations (issue 32): the
+same pgbench script of the service's creation, on three clusters of its own (never the server
+behind --admin-url), all on this machine: a primary with no standby, a primary with an
+asynchronous standby and a primary with a synchronous one (a commit returns once the standby has
+flushed it), at each writer count in alternating rounds, with the ratios to the no-standby
+primary measured in the same run. The clusters run with fsync and full_page_writes on, as a
+deployed server does (tests/postgres_cluster.py turns both off, for speed, so each is restarted
+with them on). Primary and standby share this machine's two cores and one disk, where a deployed
+standby has its own host: the ratios show what waiting for the standby costs, not the figures
+of two machines.
+
 Needs pgbench (Debian's postgresql package has it) and, for --service, wrk; the admin URL
 (--admin-url, default postgresql://postgres@127.0.0.1:5432/postgres) must be a superuser's.
 """
 
 import argparse
+import contextlib
 import glob
 import os
 import re
@@ -53,12 +66,17 @@ TARGET_RATIO = 0.8
 SERVICE_TARGET_RATIO = 0.85
 VERDICTS = {True: "met", False: "NOT met", None: "not measured"}
 SAMPLE = {"name": "Benchmark Rex", "category_id": 3, "status": "available"}
+# The baseline first: PostgreSQL's defaults (wal_level=replica) already write the WAL a standby
+# needs, so the three primaries write the same and differ only in who waits for it.
+REPLICATION_SETUPS = ("none", "async", "sync")
 
 
 def main():
     args = parse_args()
     if args.instructions:
         return measure_instructions(args.instructions)
+    if args.replication:
+        return measure_replication(args)
     name = f"animal_store_creations_{os.getpid()}"
     admin = args.admin_url
     with psycopg.connect(admin, autocommit=True) as connection:
@@ -93,6 +111,11 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
     parser.add_argument(
         "--instructions", type=int, metavar="N", help="count instructions with callgrind"
+    )
+    parser.add_argument(
+        "--replication",
+        action="store_true",
+        help="no standby, async and sync standbys, on clusters of its own",
     )
     return parser.parse_args()
 
@@ -289,6 +312,108 @@ def measure_instructions(count: int) -> None:
             shutil.rmtree(cluster.directory, ignore_errors=True)
         else:
             cluster.stop()
+
+
+def measure_replication(args) -> None:
+    from postgres_cluster import PostgresCluster
+
+    pgbench = find_pgbench()
+    writers = [int(count) for count in args.writers.split(",")]
+    with contextlib.ExitStack() as clusters, tempfile.TemporaryDirectory() as workdir:
+        primaries = {}
+        for setup in REPLICATION_SETUPS:
+            # Stopped (and removed) however the run ends, even halfway through; the last made first.
+            primary = PostgresCluster(replication=None if setup == "none" else setup)
+            clusters.callback(primary.stop)
+            primaries[setup] = primary
+            prepare_primary(primary, setup, clusters)
+        scripts = write_pgbench_scripts(
+            libpq_url(primaries["none"].database_url("creations")), Path(workdir)
+        )
+        urls = {setup: libpq_url(p.database_url("creations")) for setup, p in primaries.items()}
+        # Each primary starts just after a checkpoint (a standby's base backup made one), so each
+        # writes the same full pages again in its first runs.
+        for primary in primaries.values():
+            primary.sql("CHECKPOINT")
+        print(
+            f"pgbench, the service's creation, {args.duration} s a run, {args.rounds} rounds; "
+            "clusters of its own on this machine, fsync on\n"
+            "the load average is printed before each round (from round 2 it counts this "
+            "benchmark's own writers too): figures from a busy machine mean little"
+        )
+        tps = {(setup, count): [] for setup in urls for count in writers}
+        for round_number in range(args.rounds):
+            print(f"  round {round_number + 1} load {load()}:", end="", flush=True)
+            # Each round starts with the next setup, so none of them is always measured first.
+            shift = round_number % len(REPLICATION_SETUPS)
+            order = REPLICATION_SETUPS[shift:] + REPLICATION_SETUPS[:shift]
+            for count in writers:
+                for setup in order:
+                    tps[setup, count].append(
+                        run_pgbench(
+                            pgbench, urls[setup], scripts["service"], count, args.duration, ""
+                        )
+                    )
+                figures = ", ".join(f"{s} {tps[s, count][-1]:,.0f}" for s in REPLICATION_SETUPS)
+                print(f" {count} writers: {figures};", end="", flush=True)
+            print()
+        # A standby that had fallen behind or away would have made its figures those of none.
+        for primary in primaries.values():
+            for standby in primary.standbys:
+                primary.wait_for_streaming(standby, timeout=5)
+        print_replication(tps, writers)
+
+
+def prepare_primary(primary, setup: str, clusters: contextlib.ExitStack) -> None:
+    """Make the scratch database on `primary`, with fsync on, and its standby unless `setup` is
+    "none", registered in `clusters` to be stopped."""
+    url = primary.create_database("creations")
+    flask(url, "db", "upgrade")
+    with_fsync(primary)
+    if setup == "none":
+        return
+    standby = primary.standby()
+    clusters.callback(standby.stop)
+    with_fsync(standby)
+    # A restarted standby streams again; a sync primary's commits wait for it from then on.
+    primary.wait_for_streaming(standby)
+
+
+def with_fsync(cluster) -> None:
+    """Restart `cluster` with fsync and full_page_writes on: postgres_cluster.py turns both off
+    on the command line (tests never crash the machine), where ALTER SYSTEM cannot override
+    them. A deployed primary flushes each commit, and a sync standby each before it answers."""
+    cluster.run("pg_ctl", "--pgdata", str(cluster.data), "--wait", "stop")
+    # The later -c wins.
+    cluster.options += " -c fsync=on -c full_page_writes=on"
+    cluster.start()
+    settings = cluster.sql("SHOW fsync; SHOW full_page_writes").split()
+    if settings != ["on", "on"]:
+        sys.exit(f"fsync and full_page_writes are {settings} on port {cluster.port}, not on")
+
+
+def print_replication(tps: dict, writers: list[int]) -> None:
+    print(f"{'writers':<8}" + "".join(f"{s + ' /s':>12}" for s in REPLICATION_SETUPS), end="")
+    print(f"{'async/none':>12}{'sync/none':>11}")
+    for count in writers:
+        medians = [statistics.median(tps[setup, count]) for setup in REPLICATION_SETUPS]
+        # Each round's own ratio, then their median: rounds alternate, so a load that comes and
+        # goes weighs on the baseline as on the standbys.
+        ratios = [
+            statistics.median(
+                s / n for s, n in zip(tps[setup, count], tps["none", count], strict=True)
+            )
+            for setup in ("async", "sync")
+        ]
+        print(
+            f"{count:<8}"
+            + "".join(f"{median:>12,.0f}" for median in medians)
+            + f"{ratios[0]:>12.2f}{ratios[1]:>11.2f}"
+        )
+    print(
+        f"(load {load()}) Primary and standby share this machine's cores and disk: the ratios "
+        "show what waiting for the standby costs, not what two machines would give."
+    )
 
 
 def single_user_instructions(cluster, script: Path, count: int, bindir: Path) -> int:
