@@ -193,9 +193,23 @@ def outage_answer(status, retry_after, body):
     return status == 503 and retry_after is not None and body.get("status") == 503
 
 
-def created_since(load, moment):
-    """When each creation acknowledged after `moment` was."""
-    return [when for when, status, *_ in load.answers if when > moment and status == 201]
+def wait_for_a_creation(load, moment, timeout=10):
+    """Return how long after `moment` the load's first creation was acknowledged."""
+    deadline = moment + timeout
+    while True:
+        created = [when for when, status, *_ in load.answers if when > moment and status == 201]
+        if created or time.monotonic() > deadline:
+            assert created, f"no creation within {timeout}s: {load.statuses}"
+            return min(created) - moment
+        time.sleep(0.05)
+
+
+def answer_kinds(load):
+    """The load's answers counted as "ok" (2xx), "503" (the outage's JSON 503) or their status."""
+    return Counter(
+        "ok" if status in (200, 201) else "503" if outage_answer(status, *rest) else status
+        for _, status, *rest in load.answers
+    )
 
 
 @pytest.mark.parametrize("replication", ["sync", "async"])
@@ -211,15 +225,9 @@ def test_a_standby_promoted_under_load_takes_over_without_a_restart(start_gunico
             time.sleep(1)
             promoting = time.monotonic()
             standby.promote()
-            deadline = promoting + 10
-            while time.monotonic() < deadline and not created_since(load, promoting):
-                time.sleep(0.05)
+            first_creation = wait_for_a_creation(load, promoting)
             load.wait_for_answers(200)
-        first_creation = min(created_since(load, promoting)) - promoting
-        kinds = Counter(
-            "ok" if status in (200, 201) else "503" if outage_answer(status, *rest) else status
-            for _, status, *rest in load.answers
-        )
+        kinds = answer_kinds(load)
         during = Counter(status for when, status, *_ in load.answers if killed < when < promoting)
         stored = stored_ids(standby)
         lost = sorted({pet["id"] for pet in load.acknowledged} - set(stored))
@@ -338,15 +346,9 @@ def test_pgbouncer_repointed_at_the_promoted_standby_serves_again(start_gunicorn
             standby.promote()
             repointed = time.monotonic()
             bouncer.repoint(make_url(standby.database_url("store")))
-            deadline = repointed + 10
-            while time.monotonic() < deadline and not created_since(load, repointed):
-                time.sleep(0.05)
+            first_creation = wait_for_a_creation(load, repointed)
             load.wait_for_answers(200)
-        first_creation = min(created_since(load, repointed)) - repointed
-        kinds = Counter(
-            "ok" if status in (200, 201) else "503" if outage_answer(status, *rest) else status
-            for _, status, *rest in load.answers
-        )
+        kinds = answer_kinds(load)
         print(f"PgBouncer: answers {dict(kinds)}; first creation {first_creation:.2f}s after it")
         assert set(kinds) <= {"ok", "503"}, load.failures[:5]
         assert first_creation < 5
