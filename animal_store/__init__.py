@@ -12,6 +12,7 @@ from animal_store.body import refuse_unsupported_framing
 from animal_store.cli import register_commands
 from animal_store.deadlines import init_deadlines
 from animal_store.extensions import db, migrate, tune_sqlite_connections
+from animal_store.failover import init_failover
 from animal_store.hooks import register_hooks
 from animal_store.json_provider import OrjsonProvider
 from animal_store.logs import configure_logging, log_request, start_timer
@@ -40,7 +41,8 @@ def create_app(
     tune_sqlite_connections(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     start_deadline = init_deadlines(app)
-    policies = register_api(app, resources)
+    # A key or an answer a worker kept is used only from the database server it came from.
+    policies = register_api(app, resources, before=init_failover(app))
     app.register_blueprint(health.bp)
     register_commands(app)
     trust_proxies(app)

@@ -418,6 +418,7 @@ def is_database_outage(error: BaseException) -> bool:
 
 
 def is_read_only_refusal(error: BaseException) -> bool:
+    """Tell a write refused by a server that takes only reads (SQLSTATE 25006)."""
     return getattr(getattr(error, "orig", None), "sqlstate", None) == READ_ONLY_SQL_TRANSACTION
 
 

@@ -30,7 +30,7 @@ from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store import answers, auth, keyset
-from animal_store.errors import READ_ONLY_SQL_TRANSACTION
+from animal_store.errors import is_read_only_refusal
 from animal_store.extensions import db
 
 # What each worker keeps from the database, by its place in app.extensions: each is made again
@@ -54,7 +54,8 @@ class Server:
 
 def init_failover(app: Flask) -> tuple[Callable[[], None], ...]:
     """On PostgreSQL: drop connections to a server that takes only reads, and return the step
-    that confirms the database before a request of the layer; on SQLite (one file) nothing."""
+    that confirms the database, for the API layer to run before its requests; on SQLite (one
+    file) nothing."""
     with app.app_context():
         engine = db.engine
     if engine.dialect.name != "postgresql":
@@ -62,8 +63,8 @@ def init_failover(app: Flask) -> tuple[Callable[[], None], ...]:
 
     @event.listens_for(engine, "handle_error")
     def drop_read_only_connections(context: ExceptionContext) -> None:
-        sqlstate = getattr(context.original_exception, "sqlstate", None)
-        if sqlstate == READ_ONLY_SQL_TRANSACTION:
+        refused = context.sqlalchemy_exception
+        if refused is not None and is_read_only_refusal(refused):
             context.is_disconnect = True
 
     app.extensions[STATE] = Server()
@@ -84,22 +85,26 @@ def confirm_database() -> None:
         with db.engine.connect() as connection:
             started = connection.scalar(SERVER)
     except SQLAlchemyError:
-        # The database does not answer: what it will hold when it does is unknown.
-        forget(None, server)
+        # The database does not answer: what it will hold when it does is unknown. The server
+        # last seen stays known, so the one that answers next is told apart from it.
+        forget()
         return
-    if started != server.started:
-        forget(started, server)
-
-
-def forget(started: datetime | None, server: Server) -> None:
+    if started == server.started:
+        return
     with server.lock:
+        if started == server.started:
+            return  # another thread of the worker saw it first
         if server.started is not None:
             current_app.logger.warning(
-                "The database is not the server this worker read from (its server started %s, "
-                "now %s): forgetting the answers, keys and ids it kept",
+                "The database is another server than this worker read from (started %s, "
+                "then %s): forgetting the answers, keys and ids it kept",
                 server.started.isoformat(),
-                started.isoformat() if started else "unknown: it does not answer",
+                started.isoformat(),
             )
-        for memo in MEMOS:
-            current_app.extensions.pop(memo, None)
+        forget()
         server.started = started
+
+
+def forget() -> None:
+    for memo in MEMOS:
+        current_app.extensions.pop(memo, None)

@@ -42,7 +42,8 @@ def handle_error_as_nginx(
     gunicorn answers an unknown coding with 501, but a coding it knows and does not decode
     (`gzip`, `identity`) or chunked not alone with 400. nginx answers all of them with 501, and so
     does every path (docs/errors.rst). In an HTTP/1.0 request, where no coding belongs, both say
-    400.
+    400; but gunicorn refuses a coding it does not know (501) before it looks at the version, and
+    without the request at hand, so that one stays 501.
     """
     request = getattr(exc, "req", None)
     if (

@@ -22,7 +22,7 @@ def healthz() -> tuple[dict[str, str], int]:
 
 @bp.get("/readyz")
 def readyz() -> tuple[dict[str, str], int]:
-    """Answer 200 when the database answers a trivial query, else 503 within a bounded time.
+    """Answer 200 when the database answers and takes writes, else 503 within a bounded time.
 
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
     "per process" (each worker counts apart), "storage unreachable" (each worker counts apart

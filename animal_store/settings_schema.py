@@ -112,13 +112,14 @@ def check_database_url(url: str) -> None:
     drivers = DATABASE_DRIVERS.get(parsed.get_backend_name())
     if drivers is None or parsed.drivername.partition("+")[2] not in ("", *drivers):
         raise ValueError(url)
-    # Several hosts are read as query parameters, which SQLAlchemy does not check as it checks
-    # the host part: a port that is no number would fail at the first connection instead.
-    hosts = parsed.query.get("host", ())
-    for host in (hosts,) if isinstance(hosts, str) else hosts:
-        _, colon, port = host.rpartition(":")
-        if colon and not port.isdigit():
-            raise ValueError(url)
+    # Several hosts are query parameters, which make_url does not check as it checks a host part:
+    # the driver's own reading of them, as each connection will read them, refuses one it
+    # cannot use (a port that is no number, an IPv6 address, a `port` given apart).
+    if "host" in parsed.query:
+        try:
+            parsed.get_dialect()().create_connect_args(parsed)
+        except (ArgumentError, ValueError) as error:
+            raise ValueError(url) from error
 
 
 def unencoded_at(url: str) -> bool:

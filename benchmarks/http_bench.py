@@ -470,7 +470,7 @@ def compare(servers, key, answers, args, workdir):
 
 def wait_for_quiet(most_seconds: float) -> float:
     """Wait until the 1-minute load average is under QUIET_LOAD, at most `most_seconds` (the
-    rounds before raise it: it decays by about a third each 30 s); return it."""
+    rounds before raise it: it falls by about 40 percent each 30 s); return it."""
     deadline = time.monotonic() + most_seconds
     while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
         time.sleep(5)

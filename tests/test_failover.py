@@ -12,21 +12,24 @@ import os
 import signal
 import time
 from collections import Counter
+from urllib.parse import quote
 
 import pytest
 import requests
 import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL, migrate_to_head, start_own_cluster
+from conftest import migrate_to_head, start_own_cluster
 from pgbouncer_server import PGBOUNCER, PgBouncer
 from sqlalchemy.engine import make_url
-from test_passwords import PASSWORD, USER, assert_masked
+from test_passwords import PASSWORD, USER, assert_masked, assert_no_password
 from test_releases import Load, details, walk
 
-from animal_store import create_app
+from animal_store import answers, create_app
+from animal_store import auth as auth_module
 from animal_store.auth import issue_key
 from animal_store.database import describe_database
 from animal_store.extensions import db
 from animal_store.failover import CONFIRM_EVERY
+from animal_store.settings import SettingsError
 
 # The same two hosts in libpq's spelling and in SQLAlchemy's.
 SPELLINGS = {
@@ -49,6 +52,63 @@ def test_several_hosts_in_either_spelling_reach_libpq_alike(url):
     assert parameters["password"] == PASSWORD
     assert_masked(described)
     assert "127.0.0.2" in described
+
+
+# Several hosts the driver cannot read: refused at boot in one line, not at the first connection
+# with a traceback.
+UNREADABLE_HOSTS = {
+    "IPv6 addresses": f"postgresql://{USER}:{PASSWORD}@[::1]:5432,[::2]:5433/store",
+    "the ports given apart": f"postgresql://{USER}:{PASSWORD}@127.0.0.1,127.0.0.2/store?port=1,2",
+}
+
+
+@pytest.mark.parametrize("url", UNREADABLE_HOSTS.values(), ids=UNREADABLE_HOSTS.keys())
+def test_several_hosts_the_driver_cannot_read_are_refused_at_boot(url):
+    with pytest.raises(SettingsError) as refused:
+        create_app({"DATABASE_URL": url})
+    said = refused.value.format_message()
+    assert said.startswith("Setting DATABASE_URL from test_config is ")
+    assert "expected a database URL" in said
+    assert_no_password(said)
+
+
+def test_several_hosts_keep_the_rest_of_the_url():
+    secret = PASSWORD + "/1"  # percent-encoded in the URL, as deploy step 3 says
+    url = (
+        f"postgresql://{USER}:{quote(secret, safe='')}@127.0.0.1,127.0.0.2/store"
+        "?sslmode=disable&application_name=x"
+    )
+    app = create_app({"DATABASE_URL": url})
+    with app.app_context():
+        _, parameters = db.engine.dialect.create_connect_args(db.engine.url)
+    assert parameters["password"] == secret
+    assert (parameters["host"], parameters["dbname"]) == ("127.0.0.1,127.0.0.2", "store")
+    assert (parameters["sslmode"], parameters["application_name"]) == ("disable", "x")
+
+
+def test_a_worker_keeps_what_it_read_while_its_server_stays_and_forgets_it_on_a_restart(make_app):
+    cluster = start_own_cluster()
+    try:
+        migrate_to_head(cluster.create_database("store"))
+        app = make_app(DATABASE_URL=cluster.database_url("store"))
+        client = app.test_client()
+        auth = {"Authorization": f"Bearer {make_key(cluster.database_url('store'))}"}
+        created = client.post("/v1/pets", headers=auth, json={"name": "Rex", "categoryId": 1})
+        path = f"/v1/pets/{created.get_json()['id']}"
+        assert client.get(path, headers=auth).status_code == 200
+        kept = {memo: app.extensions[memo] for memo in (answers.KEPT, auth_module.KEY_CACHE)}
+
+        time.sleep(CONFIRM_EVERY + 0.1)
+        assert client.get(path, headers=auth).status_code == 200  # asked: the same server
+        assert all(app.extensions[memo] is kept[memo] for memo in kept)
+
+        cluster.kill()  # and back, as a restarted machine: another server, started anew
+        cluster.start()
+        time.sleep(CONFIRM_EVERY + 0.1)
+        assert client.get(path, headers=auth).status_code == 200
+        assert all(app.extensions.get(memo) is not kept[memo] for memo in kept)
+    finally:
+        cluster.stop()
 
 
 class ReadOnlyByDefault:
@@ -117,8 +177,6 @@ READ_ONLY = {"default_transaction_read_only": ReadOnlyByDefault, "a hot standby"
 
 @pytest.mark.parametrize("server", READ_ONLY.values(), ids=READ_ONLY.keys())
 def test_a_server_that_takes_only_reads_is_an_outage_not_a_bug(make_app, server):
-    if TEST_DATABASE_URL:
-        pytest.skip("runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own")
     server = server()
     try:
         app = make_app(DATABASE_URL=server.url)

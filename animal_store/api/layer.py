@@ -1,7 +1,7 @@
 """The /v1 layer put together: the resources registered under it, its policies hooked on, and
 the document built."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import flask
 from flask_cors import CORS
@@ -12,21 +12,23 @@ from animal_store.api.document import document_layer, make_api
 from animal_store.api.policies import Policies
 from animal_store.auth_failures import init_auth_failures
 from animal_store.contract import BASE_PATH
-from animal_store.failover import init_failover
 
 # Where the API lives on every server; OPENAPI_SERVERS urls must end with it.
 LAYER = "v1"
 
 
-def register_api(app: flask.Flask, resources: Iterable[flask.Blueprint]) -> Policies:
+def register_api(
+    app: flask.Flask,
+    resources: Iterable[flask.Blueprint],
+    before: Iterable[Callable[[], None]] = (),
+) -> Policies:
     """Serve the resources under /v1 with everything the layer gives, and build the document;
-    return the layer's policies."""
+    return the layer's policies. The `before` steps run first on each of the layer's requests."""
     api = make_api(app, BASE_PATH)
     policies = Policies(rate_limits.init_rate_limits(app), LAYER)
     init_auth_failures(app, policies.limiter)
     layer = Blueprint(LAYER, __name__, url_prefix=BASE_PATH)
-    # First: a key or an answer this worker kept is used only from the database it came from.
-    for step in init_failover(app):
+    for step in before:
         layer.before_request(step)
     layer.before_request(policies.admit)
     layer.after_request(policies.add_headers)
