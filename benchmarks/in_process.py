@@ -9,9 +9,11 @@ change, say) in the same run, alternating, and the ratios are printed:
     git worktree add /tmp/before HEAD~1
     python benchmarks/in_process.py --against /tmp/before
 
-Rate limiting is on (memory storage) with a limit no run reaches; the request log is off, as it
-writes to stdout (benchmarks/http_bench.py measures with everything on). With --database-url, on
-that database instead (PostgreSQL: an empty database of yours; each run migrates and seeds it):
+Everything runs as deployed but the server and Redis: the metrics are written to multiprocess
+files (PROMETHEUS_MULTIPROC_DIR, a temporary directory, as gunicorn.conf.py sets it), the access
+log at INFO to a file standing for stdout, rate limiting on (memory storage) with a limit no run
+reaches. With --database-url, on that database instead (PostgreSQL: an empty database of yours;
+each run migrates and seeds it):
 
     python benchmarks/in_process.py --against /tmp/before \
         --database-url postgresql://postgres@127.0.0.1:5432/bench
@@ -73,6 +75,8 @@ def main():
 
 def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
     """Return CPU µs per request for each operation, the app imported from `checkout`."""
+    # Before prometheus_client is imported: it chooses where values live then.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
     sys.path.insert(0, str(checkout))
     from flask_migrate import upgrade
     from werkzeug.test import EnvironBuilder
@@ -85,7 +89,7 @@ def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
     database = Path(tempfile.mkdtemp()) / "store.sqlite3"
     settings = {
         "DATABASE_URL": database_url or f"sqlite:///{database}",
-        "LOG_LEVEL": "WARNING",
+        "LOG_LEVEL": "INFO",
         "RATE_LIMIT": "100000000 per minute",
     }
     app = create_app(settings)
@@ -112,6 +116,8 @@ def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
         b"".join(app.wsgi_app(request, start_response))
 
     figures = {}
+    # The access log's lines go where stdout goes; the figures go to the real stdout after.
+    real_stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # noqa: SIM115
     for operation, environ in environs.items():
         count = REQUESTS[operation]
         for _ in range(200):
@@ -123,6 +129,8 @@ def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
                 call(environ)
             rounds.append((time.process_time() - started) / count * 1e6)
         figures[operation] = round(min(rounds), 1)
+    sys.stdout.close()
+    sys.stdout = real_stdout
     if statuses - {"200", "201"}:
         raise SystemExit(f"unexpected answers: {sorted(statuses)}")
     return figures
