@@ -81,6 +81,11 @@ DATABASE_RETRY_AFTER = 5
 # Level of the JSON log lines on stdout; INFO includes one line per request.
 LOG_LEVEL = "INFO"
 
+# Seconds a worker counts its requests in memory before it writes them to the metrics' files
+# (metrics.py): a scrape may miss at most this much of another worker's latest counts, and a
+# worker killed outright loses that much. 0 writes every answer at once.
+METRICS_WRITE_INTERVAL = 1.0
+
 # The peer addresses of the proxies whose X-Forwarded-* headers are honoured (proxies.py): none by
 # default, so a client that reaches the app directly cannot choose the host of the URLs it builds
 # or the address it logs. config/production.py and staging.py name nginx on the same machine.

@@ -8,15 +8,30 @@ development server, one process) the figures are the process's own.
 Labels are few and fixed: an operation is its OpenAPI operationId, any other route its endpoint's
 name, "preflight" for OPTIONS and "unmatched" where no route matched; never a path, a query, a
 key, its prefix or a client address.
+
+A request costs a count in the process's memory (RequestMetrics.observe), besides the gauge of
+requests in progress, which a scrape reads as it is at that moment. The counts are written
+to prometheus_client, which under gunicorn means the worker's files, at most every
+METRICS_WRITE_INTERVAL seconds (1): by the first answer once that has passed, by the worker when
+it is idle (config/gunicorn.conf.py wakes the sync worker every second for it), by the worker
+answering a scrape (its own counts, before it reads the files), and when a worker exits. Each
+write to the files takes a lock, checks the process's PID and writes an mmap, five times an
+answer: written per answer, they were a tenth of a list request's CPU (docs/benchmarks.rst). So
+a scrape may miss the last second of another worker's counts, which the next scrape has, and a
+worker killed with SIGKILL loses at most its last second's counts; a scrape every 15 to 60 s
+does not see the difference. 0 writes every answer at once.
 """
 
 import os
+import threading
 import time
+from bisect import bisect_left
+from collections import Counter as Counts
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from flask import Flask, Response, g, request
+from flask import Flask, Request, Response, current_app, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -28,25 +43,31 @@ from prometheus_client import (
     multiprocess,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from werkzeug.local import LocalProxy
 
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 from animal_store.version import VERSION
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+EXTENSION = "animal_store_metrics"
+# Flask's request as the proxy it is: Flask types it as the object it stands for.
+REQUEST_PROXY = cast("LocalProxy[Request]", request)
 
-REQUESTS = Counter(
-    "animal_store_requests", "Requests answered, by operation and status.", ["operation", "status"]
-)
-DURATION = Histogram(
-    "animal_store_request_duration_seconds",
-    "Time from the first hook to the answer, by operation and status class (2xx, 4xx, 5xx).",
-    ["operation", "status_class"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
 IN_PROGRESS = Gauge(
     "animal_store_requests_in_progress",
     "Requests being answered now.",
     multiprocess_mode="livesum",
+)
+REQUESTS = Counter(
+    "animal_store_requests", "Requests answered, by operation and status.", ["operation", "status"]
+)
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+DURATION = Histogram(
+    "animal_store_request_duration_seconds",
+    "Time from the first hook to the answer, by operation and status class (2xx, 4xx, 5xx). "
+    "The rate of its sum is how many workers are busy, on average.",
+    ["operation", "status_class"],
+    buckets=DURATION_BUCKETS,
 )
 RATE_LIMITED = Counter("animal_store_rate_limited", "Requests refused with 429.")
 REPLAYS = Counter(
@@ -66,7 +87,7 @@ BUILD_INFO = Gauge(
 )
 POOL = Gauge(
     "animal_store_db_pool_connections",
-    "The database pool's connections as a request ends: checked_out, idle.",
+    "The database pool's connections as a worker last wrote its counts: checked_out, idle.",
     ["state"],
     multiprocess_mode="livesum",
 )
@@ -84,8 +105,35 @@ def operation_label(endpoint: str, view: Callable[..., Any]) -> str:
     return operation_id or endpoint.rsplit(".", 1)[-1]
 
 
+class Answers:
+    """One series' answers (an operation and status) counted since the last write."""
+
+    __slots__ = ("buckets", "count", "seconds")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        # By bucket, not cumulative: as prometheus_client's histogram keeps them (+Inf last).
+        self.buckets = [0] * (len(DURATION_BUCKETS) + 1)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.buckets[bisect_left(DURATION_BUCKETS, seconds)] += 1
+
+    def write(self, histogram: Histogram) -> None:
+        """Add these answers to a histogram of DURATION_BUCKETS, as its observe() adds one: to
+        the bucket of each answer's time, and the times to its sum (tests/test_metrics.py
+        checks the text against observe()'s)."""
+        histogram._sum.inc(self.seconds)
+        for bucket, count in zip(histogram._buckets, self.buckets, strict=True):
+            if count:
+                bucket.inc(count)
+
+
 class RequestMetrics:
-    """Each request's figures: begin() before its view, observe() on its answer (hooks.py)."""
+    """Each answer's figures (observe(), an after step of hooks.py), counted in the process's
+    memory and written to prometheus_client at most every METRICS_WRITE_INTERVAL (write())."""
 
     def __init__(self, app: Flask) -> None:
         # By endpoint; a request no route matched has none (None), and is "unmatched".
@@ -97,36 +145,67 @@ class RequestMetrics:
         # SQLite's and PostgreSQL's pools count their connections; a NullPool would not.
         self.counts_connections = hasattr(pool, "checkedout")
         self.pool = cast("ConnectionCounts", pool)  # read only when it counts them
-        # Each request's series, looked up once: labels() costs more than the increment itself.
+        # Each series, looked up once: labels() costs more than the increment itself.
         self.series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self.pool_seen: tuple[int, int] | None = None
+        self.interval = settings(app).METRICS_WRITE_INTERVAL
+        # What was counted since the last write: answers by series, and other counters' counts.
+        self.answers: dict[tuple[str, int], Answers] = {}
+        self.counted: Counts[Counter] = Counts()
+        self.due = 0.0  # when (time.monotonic()) an answer next writes
+        # The development server answers on threads, and a gthread worker too.
+        self.lock = threading.Lock()
 
     def begin(self) -> None:
+        # The first step before a view: each request that counts here reaches observe(), whose
+        # step runs on every answer, an error's too (Flask's process_response).
         IN_PROGRESS.inc()
-        g.metrics_in_progress = True
 
     def observe(self, response: Response) -> None:
+        # Written at once, not counted in memory: a scrape reads what is in progress now.
+        IN_PROGRESS.dec()
         elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
-        if request.method == "OPTIONS":
+        served = REQUEST_PROXY._get_current_object()
+        if served.method == "OPTIONS":
             operation = "preflight"
         else:
-            operation = self.operations.get(request.endpoint, "unmatched")
+            operation = self.operations.get(served.endpoint, "unmatched")
         status = response.status_code
-        counted = self.series.get((operation, status))
-        if counted is None:
-            counted = self.series[operation, status] = (
-                REQUESTS.labels(operation, str(status)),
-                DURATION.labels(operation, f"{status // 100}xx"),
-            )
-        counted[0].inc()
-        counted[1].observe(elapsed)
-        if status == 429:
-            RATE_LIMITED.inc()
+        reason = g.get("auth_failure")
         # Only a creation is replayed: no other answer's headers are searched for the mark.
-        if request.method == "POST" and response.headers.get("Idempotent-Replayed") == "true":
-            REPLAYS.inc()
-        if reason := g.get("auth_failure"):
-            AUTH_FAILURES.labels(reason).inc()
+        replayed = served.method == "POST" and response.headers.get("Idempotent-Replayed") == "true"
+        with self.lock:
+            answers = self.answers.get((operation, status))
+            if answers is None:
+                answers = self.answers[operation, status] = Answers()
+            answers.add(elapsed)
+            if status == 429:
+                self.counted[RATE_LIMITED] += 1
+            if replayed:
+                self.counted[REPLAYS] += 1
+            if reason:
+                self.counted[AUTH_FAILURES.labels(reason)] += 1
+        if time.monotonic() >= self.due:
+            self.write()
+
+    def write(self) -> None:
+        """Write what was counted since the last write to prometheus_client: under gunicorn, to
+        the worker's files, which a scrape sums."""
+        with self.lock:
+            answers, self.answers = self.answers, {}
+            counted, self.counted = self.counted, Counts()
+            self.due = time.monotonic() + self.interval
+        for (operation, status), observed in answers.items():
+            series = self.series.get((operation, status))
+            if series is None:
+                series = self.series[operation, status] = (
+                    REQUESTS.labels(operation, str(status)),
+                    DURATION.labels(operation, f"{status // 100}xx"),
+                )
+            series[0].inc(observed.count)
+            observed.write(series[1])
+        for counter, count in counted.items():
+            counter.inc(count)
         if self.counts_connections:
             # Written only when they change: a gauge's write is a file's under gunicorn.
             connections = (self.pool.checkedout(), self.pool.checkedin())
@@ -141,18 +220,27 @@ def init_metrics(app: Flask) -> RequestMetrics:
     registered, which it labels by."""
     app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
     BUILD_INFO.labels(VERSION).set(1)
+    metrics = app.extensions[EXTENSION] = RequestMetrics(app)
+    return metrics
 
-    @app.teardown_request
-    def end_in_progress(_error: BaseException | None = None) -> None:
-        # In teardown, which runs whatever happened, so the gauge never drifts upward.
-        if g.pop("metrics_in_progress", False):
-            IN_PROGRESS.dec()
 
-    return RequestMetrics(app)
+def write_counts(app: Flask) -> None:
+    """Write what the app counted since its last write (a scrape, a worker's exit)."""
+    metrics: RequestMetrics = app.extensions[EXTENSION]
+    metrics.write()
+
+
+def write_counts_if_due(app: Flask) -> None:
+    """Write what the app counted, if its interval has passed (an idle gunicorn worker)."""
+    metrics: RequestMetrics = app.extensions[EXTENSION]
+    if time.monotonic() >= metrics.due:
+        metrics.write()
 
 
 def serve_metrics() -> Response:
     """The figures in Prometheus' text format: summed over the workers under gunicorn."""
+    # This worker's own counts, up to this request: the others' are at most an interval old.
+    write_counts(current_app)
     if MULTIPROCESS:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)

@@ -309,6 +309,12 @@ class Settings:
         "Level of the JSON log lines; ``INFO`` includes one line per request, ``WARNING`` drops "
         "them",
     )
+    METRICS_WRITE_INTERVAL: float = setting(
+        seconds(at_least=0),
+        "Seconds a worker counts its requests in memory before writing them where a scrape "
+        "reads them (the worker answering a scrape writes its own first); 0: every answer at "
+        "once",
+    )
     TRUSTED_PROXIES: list[str] = setting(
         strings(
             fields.String(validate=validator(ipaddress.ip_address, "Not an IP address.")),

@@ -217,12 +217,45 @@ def post_worker_init(worker: "Worker") -> None:
         VERSION,
         extra={"fields": {"version": VERSION}},
     )
-    # Loud when the rate limits cannot hold: counted in each worker's memory. (Only for the
-    # store: benchmarks/ceiling.py and floor.py run under this file too.)
-    if "animal_store_rate_limits" in getattr(worker.wsgi, "extensions", {}):
-        from animal_store.rate_limits import warn_if_counted_apart
+    # (Only for the store: benchmarks/ceiling.py and floor.py run under this file too.)
+    if "animal_store_rate_limits" not in getattr(worker.wsgi, "extensions", {}):
+        return
+    app = cast("Flask", worker.wsgi)
+    # Loud when the rate limits cannot hold: counted in each worker's memory.
+    from animal_store.rate_limits import warn_if_counted_apart
 
-        warn_if_counted_apart(cast("Flask", worker.wsgi), worker.cfg.workers)
+    warn_if_counted_apart(app, worker.cfg.workers)
+    write_counts_when_idle(app, worker)
+
+
+def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
+    """Have the worker write the requests it counted in memory (animal_store/metrics.py) when
+    they are due though no request comes: an idle worker's last second reaches the scrapes."""
+    from gunicorn.workers.sync import SyncWorker
+
+    from animal_store.metrics import write_counts_if_due
+
+    notify = worker.notify
+
+    def notify_and_write() -> None:
+        notify()
+        write_counts_if_due(app)
+
+    # The worker calls notify() between requests and when it wakes from waiting for one.
+    worker.notify = notify_and_write  # type: ignore[method-assign]
+    if isinstance(worker, SyncWorker):
+        # It waits for a connection up to half the timeout (15 s); a second at most, so an
+        # idle worker's counts are written within two seconds of its last request. A wake-up a
+        # second costs nothing measurable. (gthread wakes every second already.)
+        worker.timeout = min(worker.timeout, 1)
+
+
+def worker_exit(server: "Arbiter", worker: "Worker") -> None:
+    # A worker that stops (a reload, a restart, max_requests) writes what it counted last.
+    if "animal_store_metrics" in getattr(worker.wsgi, "extensions", {}):
+        from animal_store.metrics import write_counts
+
+        write_counts(cast("Flask", worker.wsgi))
 
 
 def post_fork(server: "Arbiter", worker: "Worker") -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics at /metrics: under gunicorn the figures are the sum over its workers, and a
-scrape after a known set of requests counts exactly those; no label holds a key, a query or an
-address; nginx hides /metrics from the internet."""
+scrape after a known set of requests counts exactly those (each worker's within a second or two,
+or at once with METRICS_WRITE_INTERVAL 0); no label holds a key, a query or an address; nginx
+hides /metrics from the internet."""
 
 import os
 import re
@@ -9,7 +10,13 @@ import time
 
 import pytest
 import requests
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
+
+from animal_store.metrics import DURATION_BUCKETS, Answers, write_counts
+
+# Every answer written to the worker's files at once: a scrape right after counts it.
+WRITTEN_AT_ONCE = {"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0"}
 
 
 def scrape(url) -> dict:
@@ -42,6 +49,7 @@ def test_a_scrape_counts_exactly_what_two_workers_answered(
         env={
             "ANIMAL_STORE_RATELIMIT_STORAGE_URI": redis_url,
             "ANIMAL_STORE_RATELIMIT_SYNC_INTERVAL": "0",
+            **WRITTEN_AT_ONCE,
         },
     )
     url, auth = server.url, {"Authorization": f"Bearer {api_key}"}
@@ -114,7 +122,7 @@ def test_counters_survive_a_worker_being_replaced(api_key, start_gunicorn):
     auth = {"Authorization": f"Bearer {api_key}"}
     for _ in range(3):
         requests.get(server.url + "/v1/pets", headers=auth, timeout=10)
-    before, _ = scrape(server.url)
+    before, _ = scrape(server.url)  # the one worker writes its counts first
     assert count(before, "animal_store_processes") == 2
     (worker_pid,) = re.findall(r"Worker ready \(pid: (\d+)\)", server.log())
     os.kill(int(worker_pid), signal.SIGKILL)
@@ -124,6 +132,95 @@ def test_counters_survive_a_worker_being_replaced(api_key, start_gunicorn):
     after, _ = scrape(server.url)
     assert count(after, "animal_store_requests_total", operation="listPets", status="200") == 3
     assert count(after, "animal_store_requests_in_progress") == 1  # the dead worker's is gone
+
+
+def written(metrics_dir) -> dict:
+    """{(name, labels as a sorted tuple): value} as the workers' files hold them now, read
+    without a request to any worker."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    families = text_string_to_metric_families(generate_latest(registry).decode())
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families
+        for sample in family.samples
+    }
+
+
+def test_idle_workers_write_what_they_counted_within_two_seconds(api_key, start_gunicorn, tmp_path):
+    server = start_gunicorn(workers=2, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for _ in range(40):  # each worker's first answer is written at once, the others later
+        requests.get(server.url + "/v1/pets", headers=auth, timeout=10)
+    sent = time.monotonic()
+    lists = []
+    while time.monotonic() - sent < 4:
+        lists.append(
+            count(
+                written(tmp_path), "animal_store_requests_total", operation="listPets", status="200"
+            )
+        )
+        if lists[-1] == 40:
+            break
+        time.sleep(0.1)
+    # Counted in memory first: the files lagged the answers. Then, with no request to either
+    # worker, the workers woke and wrote them (gunicorn.conf.py's notify hook).
+    assert lists[0] < 40
+    assert lists[-1] == 40, lists
+    assert time.monotonic() - sent < 2.5
+
+
+def test_a_worker_writes_what_it_counted_when_it_stops(api_key, start_gunicorn):
+    # An interval no test reaches: only the first answer and the worker's exit write.
+    server = start_gunicorn(workers=1, env={"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "3600"})
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for _ in range(3):
+        requests.get(server.url + "/v1/pets", headers=auth, timeout=10)
+    os.kill(server.process.pid, signal.SIGHUP)  # a reload: the worker exits, another starts
+    deadline = time.monotonic() + 20
+    while server.log().count("Worker ready") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after, _ = scrape(server.url)
+    assert count(after, "animal_store_requests_total", operation="listPets", status="200") == 3
+
+
+def test_answers_are_counted_in_memory_until_written(make_app, make_key):
+    app = make_app(METRICS_WRITE_INTERVAL=3600)
+    client, key = app.test_client(), make_key()
+    labels = {"operation": "listPets", "status": "200"}
+
+    def lists():
+        return REGISTRY.get_sample_value("animal_store_requests_total", labels) or 0
+
+    first = lists()
+    for _ in range(4):
+        assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert lists() == first + 1  # the first answer found the write due; the rest wait for it
+    write_counts(app)
+    assert lists() == first + 4
+    assert client.get("/metrics").status_code == 200  # a scrape writes its process's counts
+    assert REGISTRY.get_sample_value("animal_store_requests_total", labels) == first + 4
+
+
+def test_answers_written_together_read_as_each_observed():
+    seconds = [0.0004, 0.001, 0.001, 0.003, 0.7, 2.5, 30, 0]
+    observed, together = CollectorRegistry(), CollectorRegistry()
+    observed_histogram = Histogram("t", "t", buckets=DURATION_BUCKETS, registry=observed)
+    for value in seconds:
+        observed_histogram.observe(value)
+    answers = Answers()
+    for value in seconds:
+        answers.add(value)
+    answers.write(Histogram("t", "t", buckets=DURATION_BUCKETS, registry=together))
+
+    def text(registry):  # without the moment each was created
+        return [
+            line
+            for line in generate_latest(registry).decode().splitlines()
+            if "_created" not in line
+        ]
+
+    assert text(together) == text(observed)
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/metrics?x=1"])

@@ -175,6 +175,8 @@ BAD_VALUES = [
     ("DATABASE_RETRY_AFTER", "-1"),
     ("LOG_LEVEL", "info"),
     ("LOG_LEVEL", "VERBOSE"),
+    ("METRICS_WRITE_INTERVAL", "-1"),
+    ("METRICS_WRITE_INTERVAL", '"1s"'),
     ("TRUSTED_PROXIES", "127.0.0.1"),
     ("TRUSTED_PROXIES", '["nginx"]'),
     ("TRUSTED_PROXY_HOPS", "0"),
