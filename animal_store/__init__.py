@@ -13,7 +13,7 @@ from animal_store.cli import register_commands
 from animal_store.deadlines import init_deadlines
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.failover import init_failover
-from animal_store.hooks import register_hooks
+from animal_store.hooks import AnimalStore, register_hooks
 from animal_store.json_provider import OrjsonProvider
 from animal_store.logs import configure_logging, log_request, start_timer
 from animal_store.metrics import init_metrics
@@ -31,7 +31,7 @@ def create_app(
     test_config: Mapping[str, Any] | None = None, resources: Iterable[Blueprint] = RESOURCES
 ) -> Flask:
     """Create and configure an instance of the animal store."""
-    app = Flask(__name__, instance_relative_config=True)
+    app = AnimalStore(__name__, instance_relative_config=True)
     # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
     app.url_map.merge_slashes = False
     load_settings(app, test_config)
@@ -50,7 +50,7 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, *start_deadline, metrics.begin, refuse_unsupported_framing),
+        before=(metrics.begin, start_timer, *start_deadline, refuse_unsupported_framing),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),
