@@ -129,7 +129,8 @@ def auth_failures() -> AuthFailures | None:
 
 def presented_key() -> str | None:
     """Return the key from `Authorization: Bearer <key>`; the scheme is case-insensitive."""
-    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    # The header as the WSGI environ holds it: no look-up through the request's headers.
+    scheme, _, credentials = request.environ.get("HTTP_AUTHORIZATION", "").partition(" ")
     if scheme.lower() != "bearer":
         return None
     return credentials.strip() or None

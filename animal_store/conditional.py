@@ -78,12 +78,15 @@ def conditional(view: Callable[..., Any]) -> Callable[..., Response]:
 
     @wraps(view)
     def tagged_view(*args: Any, **kwargs: Any) -> Response:
-        response = make_response(view(*args, **kwargs))
+        answer = view(*args, **kwargs)
+        response = answer if isinstance(answer, Response) else make_response(answer)
         if response.status_code != 200:
             return response
         tag = TAGS.get(response.get_data(), response.headers.get("Link", ""))
-        response.set_etag(tag)
-        if request.if_none_match.contains_weak(tag):
+        # Added, with the quotes set_etag would give it: no answer has one before this.
+        response.headers.add("ETag", f'"{tag}"')
+        # Parsed only when sent; most requests send none.
+        if "HTTP_IF_NONE_MATCH" in request.environ and request.if_none_match.contains_weak(tag):
             # Werkzeug sends a 304 without body or Content-Type; ETag and the other headers stay.
             response.status_code = 304
             response.set_data(b"")

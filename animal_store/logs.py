@@ -6,22 +6,18 @@ import sys
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 import orjson
-from flask import Flask, Request, Response, g, request
-from flask.ctx import _AppCtxGlobals
+from flask import Flask, Response, g
 from flask.logging import default_handler
-from werkzeug.local import LocalProxy
 
+from animal_store.current import REQUEST, G
 from animal_store.extensions import settings
 from animal_store.request_id import current_request_id
 
 # The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
 REQUESTS = logging.getLogger("animal_store.request")
-# Flask's request and g as the proxies they are: Flask types them as the objects they stand for.
-REQUEST_PROXY = cast("LocalProxy[Request]", request)
-G_PROXY = cast("LocalProxy[_AppCtxGlobals]", g)
 
 
 def json_line(
@@ -154,7 +150,7 @@ def only_stdout_listens() -> bool:
 
 def request_fields(response: Response) -> dict[str, Any]:
     # The request and g looked up once each, not through their proxies at every field.
-    served, context = REQUEST_PROXY._get_current_object(), G_PROXY._get_current_object()
+    served, context = REQUEST._get_current_object(), G._get_current_object()
     started = context.get("request_started")
     api_key = context.get("api_key")
     fields = {

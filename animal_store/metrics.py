@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from flask import Flask, Request, Response, current_app, g, request
+from flask import Flask, Response, current_app, g
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -43,15 +43,13 @@ from prometheus_client import (
     multiprocess,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from werkzeug.local import LocalProxy
 
+from animal_store.current import REQUEST
 from animal_store.extensions import db, settings
 from animal_store.version import VERSION
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 EXTENSION = "animal_store_metrics"
-# Flask's request as the proxy it is: Flask types it as the object it stands for.
-REQUEST_PROXY = cast("LocalProxy[Request]", request)
 
 IN_PROGRESS = Gauge(
     "animal_store_requests_in_progress",
@@ -165,7 +163,7 @@ class RequestMetrics:
         # Written at once, not counted in memory: a scrape reads what is in progress now.
         IN_PROGRESS.dec()
         elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
-        served = REQUEST_PROXY._get_current_object()
+        served = REQUEST._get_current_object()
         if served.method == "OPTIONS":
             operation = "preflight"
         else:

@@ -12,10 +12,10 @@ import hashlib
 import hmac
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from urllib.parse import quote, urlencode
 
-from flask import request
-
+from animal_store.current import REQUEST
 from animal_store.models import PET_STATUSES
 
 CURSOR_VERSION = "1"
@@ -74,7 +74,13 @@ def next_page_query(last_id: int, limit: int, status: str | None) -> str:
 def next_page_link(query: str) -> str:
     """Return the Link header value: the list's own absolute URL, as this request reached it
     (its scheme and host, which nginx forwards), with the next page's query."""
+    served = REQUEST._get_current_object()
+    url = list_url(served.scheme, served.host, served.root_path + served.path)
+    return f'<{url}?{query}>; rel="next"'
+
+
+@lru_cache(maxsize=64)
+def list_url(scheme: str, host: str, path: str) -> str:
     # request.base_url, without its round trip through an IRI (a Link target is a URI) and at a
-    # fraction of its cost.
-    path = quote(request.root_path + request.path, safe=URL_PATH_SAFE)
-    return f'<{request.scheme}://{request.host}{path}?{query}>; rel="next"'
+    # fraction of its cost; the same for each request to one host, so made once for each.
+    return f"{scheme}://{host}{quote(path, safe=URL_PATH_SAFE)}"

@@ -69,7 +69,7 @@ def list_pets(query: ListQuery) -> Sequence[PetRow] | Response:
     body, next_query = kept
     response = json_response(body)
     # A page's answer, which always has the query of its next page (an animal's has none).
-    response.headers["Link"] = next_page_link(cast(str, next_query))
+    response.headers.add("Link", next_page_link(cast(str, next_query)))
     return response
 
 

@@ -11,8 +11,9 @@ def security_headers(private: Callable[[], bool]) -> Callable[[Response], None]:
 
     def add_security_headers(response: Response) -> None:
         # Browsers must not guess a type: an error echoing input is JSON, never HTML or script.
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        if private() or "Authorization" in request.headers:
+        # Added: nothing else sets it, and a set would search the headers for it first.
+        response.headers.add("X-Content-Type-Options", "nosniff")
+        if private() or "HTTP_AUTHORIZATION" in request.environ:
             # No shared or disk cache may keep an answer meant for one key's holder. One with an
             # ETag may stay in the client's own cache, revalidated each time (If-None-Match).
             if "ETag" in response.headers:

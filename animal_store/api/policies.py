@@ -8,6 +8,7 @@ from flask import Flask, Response, current_app, g, request
 from animal_store import rate_limits
 from animal_store.api.declarations import view_doc
 from animal_store.auth import authenticate
+from animal_store.current import REQUEST
 from animal_store.settings_schema import Deprecation
 
 # The scope an API key needs for an operation, by its method: reads need `read`, the rest
@@ -50,7 +51,8 @@ class Policies:
 
     def requires_key(self) -> bool:
         """Tell whether this request is for a view of the layer that only key holders may use."""
-        return request.endpoint in self.protected and request.method != "OPTIONS"
+        served = REQUEST._get_current_object()
+        return served.endpoint in self.protected and served.method != "OPTIONS"
 
     def admit(self) -> Response | None:
         """Answer OPTIONS, which never needs a key; check the key of a request that does, then
@@ -60,15 +62,16 @@ class Policies:
         budget, only against its address's failures (auth_failures.py). A hook of the layer's
         blueprint: it runs for the layer's views only.
         """
-        if request.method == "OPTIONS":
+        served = REQUEST._get_current_object()
+        if served.method == "OPTIONS":
             # A browser's CORS preflight never carries a key: 204 with Allow, and Flask-CORS adds
             # its headers for a listed origin.
             response = current_app.make_default_options_response()
             response.status_code = 204
             del response.headers["Content-Type"]  # no content, no type
             return response
-        if request.endpoint in self.protected:
-            key = authenticate(SCOPE_OF_METHOD.get(request.method, WRITE_SCOPE))
+        if served.endpoint in self.protected:
+            key = authenticate(SCOPE_OF_METHOD.get(served.method, WRITE_SCOPE))
             g.rate_limit_window = rate_limits.count_request(
                 self.limiter, key.budget, key.rate_limit
             )
