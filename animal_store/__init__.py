@@ -50,7 +50,7 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(metrics.begin, start_timer, *start_deadline, refuse_unsupported_framing),
+        before=(start_timer, *start_deadline, refuse_unsupported_framing),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),

@@ -9,17 +9,20 @@ Labels are few and fixed: an operation is its OpenAPI operationId, any other rou
 name, "preflight" for OPTIONS and "unmatched" where no route matched; never a path, a query, a
 key, its prefix or a client address.
 
-A request costs a count in the process's memory (RequestMetrics.observe), besides the gauge of
-requests in progress, which a scrape reads as it is at that moment. The counts are written
+A request costs a count in the process's memory (RequestMetrics.observe). The counts are written
 to prometheus_client, which under gunicorn means the worker's files, at most every
 METRICS_WRITE_INTERVAL seconds (1): by the first answer once that has passed, by the worker when
 it is idle (config/gunicorn.conf.py wakes the sync worker every second for it), by the worker
 answering a scrape (its own counts, before it reads the files), and when a worker exits. Each
-write to the files takes a lock, checks the process's PID and writes an mmap, five times an
-answer: written per answer, they were a tenth of a list request's CPU (docs/benchmarks.rst). So
-a scrape may miss the last second of another worker's counts, which the next scrape has, and a
-worker killed with SIGKILL loses at most its last second's counts; a scrape every 15 to 60 s
+write to the files takes a lock, checks the process's PID and writes to an mmap: written on
+every answer, five of them, they cost a list request a tenth of its CPU (docs/benchmarks.rst).
+So a scrape may miss the last second of another worker's counts, which the next scrape has, and
+a worker killed with SIGKILL loses at most its last second's counts; a scrape every 15 to 60 s
 does not see the difference. 0 writes every answer at once.
+
+How busy the workers are is counted the same way, from the time each waits for a connection
+(IDLE) against the time it has run (WORKER_SECONDS), rather than by a gauge of the requests in
+progress, which took two writes a request.
 """
 
 import os
@@ -51,11 +54,6 @@ from animal_store.version import VERSION
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 EXTENSION = "animal_store_metrics"
 
-IN_PROGRESS = Gauge(
-    "animal_store_requests_in_progress",
-    "Requests being answered now.",
-    multiprocess_mode="livesum",
-)
 REQUESTS = Counter(
     "animal_store_requests", "Requests answered, by operation and status.", ["operation", "status"]
 )
@@ -66,6 +64,19 @@ DURATION = Histogram(
     "The rate of its sum is how many workers are busy, on average.",
     ["operation", "status_class"],
     buckets=DURATION_BUCKETS,
+)
+# Counted by the sync workers (config/gunicorn.conf.py): the rest of their time they serve. Their
+# busy share is what no request's own figure shows: gunicorn's parsing and writing, and requests
+# waiting in the listening socket.
+IDLE = Counter(
+    "animal_store_worker_idle_seconds",
+    "Seconds the workers waited for a connection, summed over them.",
+)
+# Their denominator: rate(IDLE) / rate(WORKER_SECONDS) is the share of their time the workers
+# were idle, right even over a window the series began in (a new instance), where a rate over a
+# count of workers would read them busy.
+WORKER_SECONDS = Counter(
+    "animal_store_worker_seconds", "Seconds the workers have run, summed over them."
 )
 RATE_LIMITED = Counter("animal_store_rate_limited", "Requests refused with 429.")
 REPLAYS = Counter(
@@ -150,18 +161,13 @@ class RequestMetrics:
         # What was counted since the last write: answers by series, and other counters' counts.
         self.answers: dict[tuple[str, int], Answers] = {}
         self.counted: Counts[Counter] = Counts()
+        self.idle_seconds = 0.0
         self.due = 0.0  # when (time.monotonic()) an answer next writes
+        self.written_at = time.monotonic()
         # The development server answers on threads, and a gthread worker too.
         self.lock = threading.Lock()
 
-    def begin(self) -> None:
-        # The first step before a view: each request that counts here reaches observe(), whose
-        # step runs on every answer, an error's too (Flask's process_response).
-        IN_PROGRESS.inc()
-
     def observe(self, response: Response) -> None:
-        # Written at once, not counted in memory: a scrape reads what is in progress now.
-        IN_PROGRESS.dec()
         elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
         served = REQUEST._get_current_object()
         if served.method == "OPTIONS":
@@ -186,13 +192,20 @@ class RequestMetrics:
         if time.monotonic() >= self.due:
             self.write()
 
+    def idle(self, seconds: float) -> None:
+        with self.lock:
+            self.idle_seconds += seconds
+
     def write(self) -> None:
         """Write what was counted since the last write to prometheus_client: under gunicorn, to
         the worker's files, which a scrape sums."""
         with self.lock:
             answers, self.answers = self.answers, {}
             counted, self.counted = self.counted, Counts()
-            self.due = time.monotonic() + self.interval
+            idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
+            now = time.monotonic()
+            run_seconds, self.written_at = now - self.written_at, now
+            self.due = now + self.interval
         for (operation, status), observed in answers.items():
             series = self.series.get((operation, status))
             if series is None:
@@ -204,6 +217,9 @@ class RequestMetrics:
             observed.write(series[1])
         for counter, count in counted.items():
             counter.inc(count)
+        if idle_seconds:
+            IDLE.inc(idle_seconds)
+        WORKER_SECONDS.inc(run_seconds)
         if self.counts_connections:
             # Written only when they change: a gauge's write is a file's under gunicorn.
             connections = (self.pool.checkedout(), self.pool.checkedin())
@@ -233,6 +249,12 @@ def write_counts_if_due(app: Flask) -> None:
     metrics: RequestMetrics = app.extensions[EXTENSION]
     if time.monotonic() >= metrics.due:
         metrics.write()
+
+
+def count_idle(app: Flask, seconds: float) -> None:
+    """Count time a worker waited for a connection (gunicorn.conf.py's hook)."""
+    metrics: RequestMetrics = app.extensions[EXTENSION]
+    metrics.idle(seconds)
 
 
 def serve_metrics() -> Response:

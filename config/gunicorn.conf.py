@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import MutableMapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -136,7 +137,7 @@ def remove_temporary_metrics_dir() -> None:
 
 
 def child_exit(server: "Arbiter", worker: "Worker") -> None:
-    # A dead worker's gauges (requests in progress, pool) stop counting; its counters stay.
+    # A dead worker's gauges (its pool's connections) stop counting; its counters stay.
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)
@@ -230,10 +231,11 @@ def post_worker_init(worker: "Worker") -> None:
 
 def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
     """Have the worker write the requests it counted in memory (animal_store/metrics.py) when
-    they are due though no request comes: an idle worker's last second reaches the scrapes."""
+    they are due though no request comes, so an idle worker's last second reaches the scrapes;
+    and have a sync worker count the time it waits for a connection: its idle time."""
     from gunicorn.workers.sync import SyncWorker
 
-    from animal_store.metrics import write_counts_if_due
+    from animal_store.metrics import count_idle, write_counts_if_due
 
     notify = worker.notify
 
@@ -243,11 +245,23 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
 
     # The worker calls notify() between requests and when it wakes from waiting for one.
     worker.notify = notify_and_write  # type: ignore[method-assign]
-    if isinstance(worker, SyncWorker):
-        # It waits for a connection up to half the timeout (15 s); a second at most, so an
-        # idle worker's counts are written within two seconds of its last request. A wake-up a
-        # second costs nothing measurable. (gthread wakes every second already.)
-        worker.timeout = min(worker.timeout, 1)
+    if not isinstance(worker, SyncWorker):
+        return  # gthread wakes every second already; its idle time is not counted
+    # It waits for a connection up to half the timeout (15 s); a second at most, so an idle
+    # worker's counts are written within two seconds of its last request. A wake-up a second
+    # costs nothing measurable.
+    worker.timeout = min(worker.timeout, 1)
+    wait = worker.wait
+
+    def wait_and_count(timeout: int) -> Any:
+        # Its one wait for a connection: between requests it does not wait at all.
+        started = time.monotonic()
+        try:
+            return wait(timeout)
+        finally:
+            count_idle(app, time.monotonic() - started)
+
+    worker.wait = wait_and_count  # type: ignore[method-assign]
 
 
 def worker_exit(server: "Arbiter", worker: "Worker") -> None:
