@@ -11,6 +11,7 @@ from flask import current_app, g, request
 
 from animal_store import errors, store
 from animal_store.auth_failures import AuthFailures
+from animal_store.current import G
 from animal_store.extensions import db, settings
 from animal_store.models import ApiKey
 
@@ -90,8 +91,10 @@ class KeyCache:
     because TTLCache is not thread-safe and a worker may serve requests on several threads.
     """
 
-    def __init__(self, ttl: float, size: int) -> None:
+    def __init__(self, ttl: float, size: int, resolution: float) -> None:
         self.enabled = ttl > 0 and size > 0
+        # How often a key's last-used time is written (KEY_LAST_USED_RESOLUTION), for record_use.
+        self.resolution = timedelta(seconds=resolution)
         self.entries: TTLCache[bytes, CachedKey] = TTLCache(maxsize=max(size, 1), ttl=max(ttl, 0))
         self.lock = threading.Lock()
 
@@ -115,7 +118,10 @@ def key_cache() -> KeyCache:
     if cache is None:
         config = settings(current_app)
         cache = current_app.extensions.setdefault(
-            KEY_CACHE, KeyCache(config.KEY_CACHE_SECONDS, config.KEY_CACHE_SIZE)
+            KEY_CACHE,
+            KeyCache(
+                config.KEY_CACHE_SECONDS, config.KEY_CACHE_SIZE, config.KEY_LAST_USED_RESOLUTION
+            ),
         )
     return cache
 
@@ -179,8 +185,9 @@ def authenticate(scope: str) -> CachedKey:
         raise errors.INVALID_KEY(headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
     # Its name for the logs and its id for the Idempotency-Keys, which are scoped to it; the
     # visible prefix of the key presented (a rotated key's old one in its grace has its own).
-    g.api_key, g.api_key_prefix = entry, key[:VISIBLE_PREFIX_LENGTH]
-    record_use(entry, now)
+    context = G._get_current_object()
+    context.api_key, context.api_key_prefix = entry, key[:VISIBLE_PREFIX_LENGTH]
+    record_use(entry, now, cache.resolution)
     if scope not in entry.scopes:
         g.auth_failure = "scope"
         raise errors.MISSING_SCOPE(method=request.method, path=request.path, scope=scope)
@@ -205,9 +212,8 @@ def look_up_key(key_hash: bytes) -> CachedKey | None:
     )
 
 
-def record_use(entry: CachedKey, now: datetime) -> None:
-    """Write the key's last-used time at most once per KEY_LAST_USED_RESOLUTION seconds."""
-    resolution = timedelta(seconds=settings(current_app).KEY_LAST_USED_RESOLUTION)
+def record_use(entry: CachedKey, now: datetime, resolution: timedelta) -> None:
+    """Write the key's last-used time at most once per `resolution`."""
     if entry.last_used_at is not None and now - entry.last_used_at < resolution:
         return
     store.record_key_use(entry.id, now, resolution)

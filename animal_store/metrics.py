@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from flask import Flask, Response, current_app, g
+from flask import Flask, Response, current_app
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -47,7 +47,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from animal_store.current import REQUEST
+from animal_store.current import REQUEST, G
 from animal_store.extensions import db, settings
 from animal_store.version import VERSION
 
@@ -168,14 +168,14 @@ class RequestMetrics:
         self.lock = threading.Lock()
 
     def observe(self, response: Response) -> None:
-        elapsed = time.perf_counter() - g.get("request_started", time.perf_counter())
-        served = REQUEST._get_current_object()
+        served, context = REQUEST._get_current_object(), G._get_current_object()
+        elapsed = time.perf_counter() - context.get("request_started", time.perf_counter())
         if served.method == "OPTIONS":
             operation = "preflight"
         else:
             operation = self.operations.get(served.endpoint, "unmatched")
         status = response.status_code
-        reason = g.get("auth_failure")
+        reason = context.get("auth_failure")
         # Only a creation is replayed: no other answer's headers are searched for the mark.
         replayed = served.method == "POST" and response.headers.get("Idempotent-Replayed") == "true"
         with self.lock:

@@ -102,7 +102,7 @@ def test_revoked_key_is_never_cached(app, client):
 
 
 def test_cache_holds_at_most_its_size_dropping_the_least_recently_used():
-    cache = KeyCache(ttl=60, size=2)
+    cache = KeyCache(ttl=60, size=2, resolution=60)
     for n in range(3):
         cache.put(bytes([n]), CachedKey(n, f"k{n}", f"{n:x}", None, frozenset(), None, None))
         cache.get(bytes([0]))  # keep key 0 in use
