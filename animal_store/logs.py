@@ -1,6 +1,7 @@
 """Structured logs: JSON lines on stdout, one per request at least, each with its request ID."""
 
 import logging
+import math
 import re
 import sys
 import time
@@ -20,13 +21,35 @@ from animal_store.request_id import current_request_id
 REQUESTS = logging.getLogger("animal_store.request")
 
 
+class Seconds:
+    """The second the last line was written in, as ISO 8601 text, so that a line's time costs
+    its milliseconds only: a datetime made and formatted for each line was half its cost."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, str] = (0, "")
+
+    def utc_time(self, created: float) -> str:
+        """`created` (Unix seconds) as datetime's isoformat(timespec="milliseconds") gives it in
+        UTC: split and rounded to the microsecond as datetime.fromtimestamp does, then cut."""
+        fraction, whole = math.modf(created)
+        second, micros = divmod(int(whole) * 1_000_000 + round(fraction * 1e6), 1_000_000)
+        last = self.last  # read once: another thread may replace it meanwhile
+        if last[0] != second:
+            text = datetime.fromtimestamp(second, UTC).isoformat().removesuffix("+00:00")
+            last = self.last = (second, text)
+        return f"{last[1]}.{micros // 1000:03d}+00:00"
+
+
+utc_time = Seconds().utc_time
+
+
 def json_line(
     created: float, level: str, logger: str, message: str, fields: Mapping[str, Any]
 ) -> str:
     """Return one log line: a JSON object with the time, level, logger, message, the request ID
     of the request being served, and `fields`."""
     line: dict[str, Any] = {
-        "time": datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds"),
+        "time": utc_time(created),
         "level": level,
         "logger": logger,
         "message": message,

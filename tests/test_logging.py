@@ -6,10 +6,15 @@ import os
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import pytest
 import requests
+from hypothesis import given
+from hypothesis import strategies as st
 from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
+
+from animal_store.logs import utc_time
 
 
 def log_lines(capsys):
@@ -189,3 +194,20 @@ def test_the_development_server_writes_one_line_a_request_and_no_colour_codes(
     others = [line for line in printed if not line.startswith("{")] + said.splitlines()
     assert not [line for line in others if "/healthz" in line or "/nowhere" in line]
     assert "\x1b[" not in stdout.read_text() + said
+
+
+@pytest.mark.parametrize(
+    "created",
+    [0.0, 1.0004999, 1.0005, 1.9994999, 1.9995, 1.9999996, 1764230000.9999999, 1795768142.2979994],
+)
+def test_a_lines_time_is_datetimes_to_the_millisecond(created):
+    # The second before, so the second's text is made anew and then reused.
+    for moment in (created - 1, created, created + 0.25):
+        expected = datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds")
+        assert utc_time(moment) == expected
+
+
+@given(st.floats(min_value=0, max_value=2**33, allow_nan=False))
+def test_any_lines_time_is_datetimes_to_the_millisecond(created):
+    expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+    assert utc_time(created) == expected

@@ -3,12 +3,12 @@ headers every answer of the layer gets."""
 
 from email.utils import format_datetime
 
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Response, current_app, g
 
 from animal_store import rate_limits
 from animal_store.api.declarations import view_doc
 from animal_store.auth import authenticate
-from animal_store.current import REQUEST
+from animal_store.current import REQUEST, G
 from animal_store.settings_schema import Deprecation
 
 # The scope an API key needs for an operation, by its method: reads need `read`, the rest
@@ -32,7 +32,7 @@ class Policies:
         self.vary_origin = False
         # Keyed as request.endpoint is typed (None before routing), so a request looks its
         # endpoint up as it is.
-        self.deprecated: dict[str | None, dict[str, str]] = {}
+        self.deprecated: dict[str | None, tuple[tuple[str, str], ...]] = {}
 
     def collect(self, app: Flask) -> None:
         views = {
@@ -44,7 +44,7 @@ class Policies:
         # Answers to listed origins carry CORS headers and others' do not: caches must know.
         self.vary_origin = bool(app.config["CORS_ORIGINS"])
         self.deprecated = {
-            endpoint: deprecation_headers(app.config[doc["deprecation"]])
+            endpoint: tuple(deprecation_headers(app.config[doc["deprecation"]]).items())
             for endpoint, doc in views.items()
             if "deprecation" in doc
         }
@@ -81,16 +81,17 @@ class Policies:
         """Give every answer of a counted request the RateLimit-* headers, and of a deprecated
         view the deprecation headers, errors included (RFC 9745, RFC 8594); say that answers vary
         by Origin while CORS origins are listed."""
-        window: rate_limits.Window | None = g.get("rate_limit_window")
+        served, context = REQUEST._get_current_object(), G._get_current_object()
+        headers = response.headers
+        # Added one by one, not set: no answer has them yet (a 429 has no window), a set would
+        # search the headers for each, and extend's checks of what it is given cost more than
+        # the adds. The successor's Link goes beside any Link of the view's own (a next page).
+        window: rate_limits.Window | None = context.get("rate_limit_window")
         if window is not None:
-            # Added, not set: no answer of a counted request has them yet (a 429 has no window),
-            # and a set searches the headers for each one first.
-            response.headers.extend(window.headers())
-        headers = self.deprecated.get(request.endpoint)
-        if headers is not None:
-            # Added too: the successor's Link goes beside any Link of the view's own (a next
-            # page), never in its place.
-            response.headers.extend(headers)
+            for name, value in window.headers().items():
+                headers.add(name, value)
+        for name, value in self.deprecated.get(served.endpoint, ()):
+            headers.add(name, value)
         if self.vary_origin:
             response.vary.add("Origin")
         return response
