@@ -3,11 +3,10 @@
 import hashlib
 import secrets
 import threading
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from cachetools import LRUCache
+from cachetools import TTLCache
 from flask import current_app, g, request
 
 from animal_store import errors, store
@@ -88,32 +87,25 @@ class KeyCache:
 
     Only valid keys are kept, so a new key works at once; a revoked key goes on working in a
     process that has it cached for at most `ttl` seconds, and a key's old rate limit holds as
-    long. At most `size` keys, least recently used dropped first (cachetools' LRUCache), each
-    with the moment it is forgotten, checked here: TTLCache's own bookkeeping of expiries cost
-    a key check five times as much. A lock, because LRUCache is not thread-safe and a worker
-    may serve requests on several threads.
+    long. At most `size` keys, least recently used dropped first (cachetools' TTLCache). A lock,
+    because TTLCache is not thread-safe and a worker may serve requests on several threads.
     """
 
     def __init__(self, ttl: float, size: int, resolution: float) -> None:
         self.enabled = ttl > 0 and size > 0
-        self.ttl = ttl
-        # {key hash: (the key, when (time.monotonic()) it is forgotten)}
-        self.entries: LRUCache[bytes, tuple[CachedKey, float]] = LRUCache(maxsize=max(size, 1))
         # How often a key's last-used time is written (KEY_LAST_USED_RESOLUTION), for record_use.
         self.resolution = timedelta(seconds=resolution)
+        self.entries: TTLCache[bytes, CachedKey] = TTLCache(maxsize=max(size, 1), ttl=max(ttl, 0))
         self.lock = threading.Lock()
 
     def get(self, key_hash: bytes) -> CachedKey | None:
         with self.lock:
-            kept = self.entries.get(key_hash)
-        if kept is None or kept[1] <= time.monotonic():
-            return None  # an expired entry is replaced by the next put, or dropped as unused
-        return kept[0]
+            return self.entries.get(key_hash)
 
     def put(self, key_hash: bytes, entry: CachedKey) -> None:
         if self.enabled:
             with self.lock:
-                self.entries[key_hash] = (entry, time.monotonic() + self.ttl)
+                self.entries[key_hash] = entry
 
 
 # Where each process keeps its valid keys (failover.py forgets them by removing the entry).

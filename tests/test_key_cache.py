@@ -141,7 +141,7 @@ def test_workers_that_both_find_last_used_stale_write_it_once(make_app):
     # An hour later by their caches' and the row's reckoning: both will want to write.
     for app in (first, second):
         with app.app_context():
-            for entry, _ in key_cache().entries.values():
+            for entry in key_cache().entries.values():
                 entry.last_used_at -= timedelta(hours=1)
     with first.app_context():
         db.session.execute(
