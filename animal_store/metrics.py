@@ -60,8 +60,7 @@ REQUESTS = Counter(
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 DURATION = Histogram(
     "animal_store_request_duration_seconds",
-    "Time from the first hook to the answer, by operation and status class (2xx, 4xx, 5xx). "
-    "The rate of its sum is how many workers are busy, on average.",
+    "Time from the first hook to the answer, by operation and status class (2xx, 4xx, 5xx).",
     ["operation", "status_class"],
     buckets=DURATION_BUCKETS,
 )
@@ -189,6 +188,11 @@ class RequestMetrics:
                 self.counted[REPLAYS] += 1
             if reason:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
+        self.write_if_due()
+
+    def write_if_due(self) -> None:
+        """Write, if the interval has passed since the last write: an answer, or an idle
+        gunicorn worker, finds it due."""
         if time.monotonic() >= self.due:
             self.write()
 
@@ -238,29 +242,16 @@ def init_metrics(app: Flask) -> RequestMetrics:
     return metrics
 
 
-def write_counts(app: Flask) -> None:
-    """Write what the app counted since its last write (a scrape, a worker's exit)."""
+def request_metrics(app: Flask) -> RequestMetrics:
+    """Return the app's counts (a scrape, and gunicorn.conf.py's hooks write them)."""
     metrics: RequestMetrics = app.extensions[EXTENSION]
-    metrics.write()
-
-
-def write_counts_if_due(app: Flask) -> None:
-    """Write what the app counted, if its interval has passed (an idle gunicorn worker)."""
-    metrics: RequestMetrics = app.extensions[EXTENSION]
-    if time.monotonic() >= metrics.due:
-        metrics.write()
-
-
-def count_idle(app: Flask, seconds: float) -> None:
-    """Count time a worker waited for a connection (gunicorn.conf.py's hook)."""
-    metrics: RequestMetrics = app.extensions[EXTENSION]
-    metrics.idle(seconds)
+    return metrics
 
 
 def serve_metrics() -> Response:
     """The figures in Prometheus' text format: summed over the workers under gunicorn."""
     # This worker's own counts, up to this request: the others' are at most an interval old.
-    write_counts(current_app)
+    request_metrics(current_app).write()
     if MULTIPROCESS:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)

@@ -235,13 +235,14 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
     and have a sync worker count the time it waits for a connection: its idle time."""
     from gunicorn.workers.sync import SyncWorker
 
-    from animal_store.metrics import count_idle, write_counts_if_due
+    from animal_store.metrics import request_metrics
 
+    metrics = request_metrics(app)
     notify = worker.notify
 
     def notify_and_write() -> None:
         notify()
-        write_counts_if_due(app)
+        metrics.write_if_due()
 
     # The worker calls notify() between requests and when it wakes from waiting for one.
     worker.notify = notify_and_write  # type: ignore[method-assign]
@@ -259,7 +260,7 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
         try:
             return wait(timeout)
         finally:
-            count_idle(app, time.monotonic() - started)
+            metrics.idle(time.monotonic() - started)
 
     worker.wait = wait_and_count  # type: ignore[method-assign]
 
@@ -267,9 +268,9 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
 def worker_exit(server: "Arbiter", worker: "Worker") -> None:
     # A worker that stops (a reload, a restart, max_requests) writes what it counted last.
     if "animal_store_metrics" in getattr(worker.wsgi, "extensions", {}):
-        from animal_store.metrics import write_counts
+        from animal_store.metrics import request_metrics
 
-        write_counts(cast("Flask", worker.wsgi))
+        request_metrics(cast("Flask", worker.wsgi)).write()
 
 
 def post_fork(server: "Arbiter", worker: "Worker") -> None:

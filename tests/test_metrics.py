@@ -13,7 +13,7 @@ import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from animal_store.metrics import DURATION_BUCKETS, Answers, write_counts
+from animal_store.metrics import DURATION_BUCKETS, Answers, request_metrics
 
 # Every answer written to the worker's files at once: a scrape right after counts it.
 WRITTEN_AT_ONCE = {"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0"}
@@ -206,7 +206,7 @@ def test_answers_are_counted_in_memory_until_written(make_app, make_key):
     for _ in range(4):
         assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert lists() == first + 1  # the first answer found the write due; the rest wait for it
-    write_counts(app)
+    request_metrics(app).write()
     assert lists() == first + 4
     assert client.get("/metrics").status_code == 200  # a scrape writes its process's counts
     assert REGISTRY.get_sample_value("animal_store_requests_total", labels) == first + 4
