@@ -71,9 +71,9 @@ IDLE = Counter(
     "animal_store_worker_idle_seconds",
     "Seconds the workers waited for a connection, summed over them.",
 )
-# Their denominator: rate(IDLE) / rate(WORKER_SECONDS) is the share of their time the workers
-# were idle, right even over a window the series began in (a new instance), where a rate over a
-# count of workers would read them busy.
+# Their denominator, counted by the same workers only: rate(IDLE) / rate(WORKER_SECONDS) is the
+# share of their time the workers were idle, right even over a window the series began in (a new
+# instance), where a rate over a count of workers would read them busy.
 WORKER_SECONDS = Counter(
     "animal_store_worker_seconds", "Seconds the workers have run, summed over them."
 )
@@ -161,8 +161,10 @@ class RequestMetrics:
         self.answers: dict[tuple[str, int], Answers] = {}
         self.counted: Counts[Counter] = Counts()
         self.idle_seconds = 0.0
+        # Since when (time.monotonic()) the run seconds are counted: only in a process that also
+        # counts its idle ones (count_busy_share()), or the two would read it always busy.
+        self.run_since: float | None = None
         self.due = 0.0  # when (time.monotonic()) an answer next writes
-        self.written_at = time.monotonic()
         # The development server answers on threads, and a gthread worker too.
         self.lock = threading.Lock()
 
@@ -196,6 +198,11 @@ class RequestMetrics:
         if time.monotonic() >= self.due:
             self.write()
 
+    def count_busy_share(self) -> None:
+        """Count the seconds this process runs, beside those it says it is idle (idle()): a
+        gunicorn sync worker, from its start."""
+        self.run_since = time.monotonic()
+
     def idle(self, seconds: float) -> None:
         with self.lock:
             self.idle_seconds += seconds
@@ -208,7 +215,9 @@ class RequestMetrics:
             counted, self.counted = self.counted, Counts()
             idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
             now = time.monotonic()
-            run_seconds, self.written_at = now - self.written_at, now
+            run_since = self.run_since
+            if run_since is not None:
+                self.run_since = now
             self.due = now + self.interval
         for (operation, status), observed in answers.items():
             series = self.series.get((operation, status))
@@ -221,9 +230,9 @@ class RequestMetrics:
             observed.write(series[1])
         for counter, count in counted.items():
             counter.inc(count)
-        if idle_seconds:
+        if run_since is not None:
             IDLE.inc(idle_seconds)
-        WORKER_SECONDS.inc(run_seconds)
+            WORKER_SECONDS.inc(now - run_since)
         if self.counts_connections:
             # Written only when they change: a gauge's write is a file's under gunicorn.
             connections = (self.pool.checkedout(), self.pool.checkedin())

@@ -252,6 +252,7 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
     # worker's counts are written within two seconds of its last request. A wake-up a second
     # costs nothing measurable.
     worker.timeout = min(worker.timeout, 1)
+    metrics.count_busy_share()
     wait = worker.wait
 
     def wait_and_count(timeout: int) -> Any:

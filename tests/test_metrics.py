@@ -203,10 +203,13 @@ def test_answers_are_counted_in_memory_until_written(make_app, make_key):
         return REGISTRY.get_sample_value("animal_store_requests_total", labels) or 0
 
     first = lists()
+    # Run seconds only beside idle ones (a gunicorn sync worker's): alone they would read busy.
+    run = REGISTRY.get_sample_value("animal_store_worker_seconds_total")
     for _ in range(4):
         assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert lists() == first + 1  # the first answer found the write due; the rest wait for it
     request_metrics(app).write()
+    assert REGISTRY.get_sample_value("animal_store_worker_seconds_total") == run
     assert lists() == first + 4
     assert client.get("/metrics").status_code == 200  # a scrape writes its process's counts
     assert REGISTRY.get_sample_value("animal_store_requests_total", labels) == first + 4
