@@ -85,12 +85,13 @@ def list_pets(query: ListQuery) -> Sequence[PetRow] | Response:
 @idempotent
 def create_pet(pet: NewPet) -> Response:
     """Add an animal and return it with its new id."""
-    pet_id = store.add_pet(pet)
-    location = url_for(".get_pet", pet_id=pet_id, _external=True)
-    response = make_response(pet_schema.dump({**pet, "id": pet_id}), 201, {"Location": location})
-    # The answer a retry with the same Idempotency-Key gets, committed with the animal.
-    remember(response)
-    db.session.commit()
+    with db.engine.begin() as connection:
+        pet_id = store.add_pet(connection, pet)
+        location = url_for(".get_pet", pet_id=pet_id, _external=True)
+        body = pet_schema.dump({**pet, "id": pet_id})
+        response = make_response(body, 201, {"Location": location})
+        # The answer a retry with the same Idempotency-Key gets, committed with the animal.
+        remember(connection, response)
     return response
 
 

@@ -2,7 +2,7 @@
 
 The database level (the default) runs pgbench on a scratch database the benchmark makes and
 drops: the statements of one real creation, as the service runs them (captured from
-store.add_pet and the commit, so the benchmark follows the code), against a plain INSERT into a
+store.add_pet in its transaction, so the benchmark follows the code), against a plain INSERT into a
 twin table with an identity column and nothing else, in the same run, turn by turn. Each is
 measured with 1, 16 and 64 concurrent writers, on fast commits and on 2 ms commits: the
 benchmark's own connections set `commit_delay=2000` and `commit_siblings=0`, which makes every
@@ -141,8 +141,8 @@ def creation_statements(database_url) -> list[str]:
             statements.append(statement % values if values else statement)
 
         sa.event.listen(db.engine, "before_cursor_execute", record)
-        store.add_pet(dict(SAMPLE))
-        db.session.commit()
+        with db.engine.begin() as connection:
+            store.add_pet(connection, dict(SAMPLE))
         sa.event.remove(db.engine, "before_cursor_execute", record)
         db.session.execute(sa.text("TRUNCATE pets"))
         db.session.commit()

@@ -130,11 +130,11 @@ def list_widgets(query):
 @idempotent
 def create_widget(widget):
     """Add a widget; its name is unique."""
-    widget["id"] = db.session.connection().execute(INSERT_WIDGET, widget).scalar_one()
-    location = url_for(".get_widget", widget_id=widget["id"], _external=True)
-    response = make_response(widget_schema.dump(widget), 201, {"Location": location})
-    remember(response)
-    db.session.commit()
+    with db.engine.begin() as connection:
+        widget["id"] = connection.execute(INSERT_WIDGET, widget).scalar_one()
+        location = url_for(".get_widget", widget_id=widget["id"], _external=True)
+        response = make_response(widget_schema.dump(widget), 201, {"Location": location})
+        remember(connection, response)
     return response
 
 

@@ -21,11 +21,11 @@ that died (gunicorn kills a request after 30 s); the next request with the key t
 import hashlib
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from flask import Response, g, request
-from sqlalchemy import CursorResult
+from sqlalchemy import Connection
 
 from animal_store import errors
 from animal_store.api import Header, declare_errors, declare_parameter
@@ -105,13 +105,14 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
     )
 
 
-def remember(response: Response) -> None:
-    """Store the answer for retries, in the view's transaction, when the request holds a key."""
+def remember(connection: Connection, response: Response) -> None:
+    """Store the answer for retries in the view's transaction, on its connection, when the
+    request holds a key."""
     held = g.get("idempotency_claim")
     if held is None:
         return
     # The claim check makes a request that lost its claim (it outlived the lease) create nothing.
-    stored = db.session.execute(
+    stored = connection.execute(
         db.update(IdempotencyRecord)
         .where(IdempotencyRecord.id == held.record_id, IdempotencyRecord.claim == held.token)
         .values(
@@ -119,8 +120,6 @@ def remember(response: Response) -> None:
             response_body=response.get_data(),
             response_location=response.headers.get("Location"),
         )
-        .execution_options(synchronize_session=False)
     )
-    # A DML statement's result: a CursorResult, which has a rowcount.
-    if cast("CursorResult[Any]", stored).rowcount != 1:
+    if stored.rowcount != 1:
         raise errors.IDEMPOTENCY_CLAIM_LOST(headers=RETRY_AFTER)
