@@ -1,8 +1,8 @@
 """The claims on Idempotency-Keys: who runs a request, who replays its answer, and when to forget.
 
 Each function runs its own short transaction on the session: a claim must be committed before
-the view runs, so that racing requests see it, and released after a failed view, whatever the view
-left in the session.
+the view runs, so that racing requests see it, and released after a failed view, whose own
+transaction (on a connection of its own, store.py) has rolled back by then.
 """
 
 import random
