@@ -113,7 +113,7 @@ def operation_label(endpoint: str, view: Callable[..., Any]) -> str:
     return operation_id or endpoint.rsplit(".", 1)[-1]
 
 
-class Answers:
+class SeriesCounts:
     """One series' answers (an operation and status) counted since the last write."""
 
     __slots__ = ("buckets", "count", "seconds")
@@ -158,7 +158,7 @@ class RequestMetrics:
         self.pool_seen: tuple[int, int] | None = None
         self.interval = settings(app).METRICS_WRITE_INTERVAL
         # What was counted since the last write: answers by series, and other counters' counts.
-        self.answers: dict[tuple[str, int], Answers] = {}
+        self.answers: dict[tuple[str, int], SeriesCounts] = {}
         self.counted: Counts[Counter] = Counts()
         self.idle_seconds = 0.0
         # Since when (time.monotonic()) the run seconds are counted: only in a process that also
@@ -182,7 +182,7 @@ class RequestMetrics:
         with self.lock:
             answers = self.answers.get((operation, status))
             if answers is None:
-                answers = self.answers[operation, status] = Answers()
+                answers = self.answers[operation, status] = SeriesCounts()
             answers.add(elapsed)
             if status == 429:
                 self.counted[RATE_LIMITED] += 1

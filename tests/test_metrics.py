@@ -13,7 +13,7 @@ import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from animal_store.metrics import DURATION_BUCKETS, Answers, request_metrics
+from animal_store.metrics import DURATION_BUCKETS, SeriesCounts, request_metrics
 
 # Every answer written to the worker's files at once: a scrape right after counts it.
 WRITTEN_AT_ONCE = {"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0"}
@@ -221,7 +221,7 @@ def test_answers_written_together_read_as_each_observed():
     observed_histogram = Histogram("t", "t", buckets=DURATION_BUCKETS, registry=observed)
     for value in seconds:
         observed_histogram.observe(value)
-    answers = Answers()
+    answers = SeriesCounts()
     for value in seconds:
         answers.add(value)
     answers.write(Histogram("t", "t", buckets=DURATION_BUCKETS, registry=together))
