@@ -4,4 +4,4 @@ Read from the code rather than the installed metadata, so a worker reports the r
 imported: an editable checkout's metadata says what was installed, not what was checked out.
 """
 
-VERSION = "1.1.0"
+VERSION = "1.2.0.dev0"

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from conftest import TEST_DATABASE_URL
 from nginx_server import NGINX, PROJECT_DIR
 from prometheus_client.parser import text_string_to_metric_families
+from test_release_steps import upgrade_script
 
 from animal_store.version import VERSION
 
@@ -242,19 +243,6 @@ def own_database():
     engine.dispose()
 
 
-# The upgrade's commands in docs/operations.rst (Upgrading), as an operator types them.
-UPGRADE_STEPS = [
-    line.strip()
-    for line in re.search(
-        r"^Upgrading\n-+\n.*?::\n\n((?:    [^\n]*\n)+)",
-        (PROJECT_DIR / "docs" / "operations.rst").read_text(),
-        re.MULTILINE | re.DOTALL,
-    )
-    .group(1)
-    .splitlines()
-]
-
-
 class Deployment:
     """A checkout of a release with a virtualenv of its own, as docs/deploy.rst makes one, in a
     temporary directory; its commands run as the deploy guide runs them, from the checkout."""
@@ -290,16 +278,15 @@ class Deployment:
         return self.shell(shlex.join([".venv/bin/flask", "--app", "animal_store", *args]))
 
     def upgrade(self, commit, master_pid):
-        """Run docs/operations.rst's steps: the test's user owns the checkout and gives the
-        environment, and systemd's reload is the unit's ExecReload."""
-        for step in UPGRADE_STEPS:
-            if step.startswith(("cd ", "chown ", "set -a ")):
-                continue
-            if step == "systemctl reload animal-store":
-                reload_as_the_unit_does(master_pid)
-            else:
-                command = step.removeprefix("runuser -u animal-store -- ")
-                self.shell(command.replace("<the release's commit>", commit))
+        """Run docs/operations.rst's block of steps: the test's user owns the checkout and gives
+        the environment, and systemd's reload is the unit's ExecReload."""
+        script = upgrade_script(self.directory, commit)
+        script = re.sub(r"^ *(chown|set -a) .*\n", "", script, flags=re.MULTILINE)
+        script = script.replace("runuser -u animal-store -- ", "").replace(
+            "systemctl reload animal-store",
+            EXEC_RELOAD.replace("$MAINPID", str(master_pid)),
+        )
+        self.shell(script)
 
 
 def test_the_previous_release_is_upgraded_in_place_under_load(
