@@ -22,12 +22,13 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 import psycopg.conninfo
 from flask import current_app
 from flask.cli import with_appcontext
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, Row, func, select, text
 
 from animal_store.database import current_revision, head_revision, upgrade_command, uses_database
 from animal_store.extensions import db, settings
@@ -292,20 +293,42 @@ def api_keys(count: int) -> str:
 
 
 def sessions_connected() -> list[str]:
-    """Describe the other sessions connected to the database: the service's, or anyone's."""
+    """Describe the other sessions connected to the database, under any role: the service's,
+    an operator's psql, a report's."""
+    # PostgreSQL shows another role's session to a role that is not a superuser (nor in
+    # pg_read_all_stats) with its database, pid, role and application name, but with no
+    # backend_type and no client address; so backend_type cannot tell a session from a
+    # background process. The role can: of the processes in a database, only autovacuum workers
+    # have none (checkpointer, walwriter and the launchers are in no database). A parallel
+    # worker or a logical replication worker has its session's role, and counts.
     with db.engine.connect() as connection:
+        viewer = connection.scalar(text("SELECT current_user"))
         rows = connection.execute(
             text(
-                "SELECT pid, application_name, client_addr FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-                "AND backend_type = 'client backend' ORDER BY pid"
+                "SELECT pid, usename, application_name, client_addr, client_port, backend_type "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND usesysid IS NOT NULL ORDER BY pid"
             )
         ).all()
     db.engine.dispose()  # this command's own connection is not one to wait for
-    return [
-        f"{pid} ({application or 'no application name'}, from {address or 'the local socket'})"
-        for pid, application, address in rows
-    ]
+    return [describe_session(row, viewer) for row in rows]
+
+
+def describe_session(row: Row[Any], viewer: str) -> str:
+    """Name a session of pg_stat_activity by pid, role, application and client, as far as
+    `viewer` may see them."""
+    application = (
+        f"application {row.application_name}" if row.application_name else "no application name"
+    )
+    if row.client_addr is not None:
+        origin = f"from {row.client_addr}"
+    elif row.client_port == -1:
+        origin = "from the local socket"
+    elif row.backend_type is None:  # another role's session: see sessions_connected
+        origin = f"its address not shown to role {viewer}"
+    else:  # no client: a parallel or logical replication worker
+        origin = f"a {row.backend_type}"
+    return f"pid {row.pid} (role {row.usename}, {application}, {origin})"
 
 
 def restore_postgres(source: Path) -> str:
@@ -314,7 +337,7 @@ def restore_postgres(source: Path) -> str:
     if sessions := sessions_connected():
         raise click.ClickException(
             f"Other sessions are connected to the database: {', '.join(sessions)}. Stop the "
-            "service (every gunicorn instance on it) before restoring."
+            "service (every gunicorn instance on it) and end these sessions before restoring."
         )
     # One transaction: a restore that fails anywhere leaves the database as it was. Objects
     # belong to the app's role, whoever owned them where the dump was made.

@@ -1,6 +1,7 @@
 """Backups while the service writes and restores while it is stopped, of a SQLite file and of a
 PostgreSQL database whose role needs a password; and every bad path refused with a message."""
 
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -358,6 +359,106 @@ def test_postgres_backup_and_restore_with_a_password_role(
     for output in (calls, backup.stdout, backup.stderr, restore.stdout, restore.stderr):
         assert PASSWORD not in output
         assert quote(PASSWORD, safe="") not in output
+
+
+def connect_as(role, cluster, keywords, application_name):
+    """Open a session in the store's database: the superuser's over the Unix socket (an
+    operator's `sudo -u postgres psql store`), or the app's own role's over TCP."""
+    if role == "postgres":
+        return psycopg.connect(
+            host=str(cluster.directory),
+            port=cluster.port,
+            user="postgres",
+            dbname=keywords["dbname"],
+            application_name=application_name,
+        )
+    return psycopg.connect(**keywords, password=PASSWORD, application_name=application_name)
+
+
+# Who else is connected when the app's role (no superuser, to whom PostgreSQL hides much of
+# other roles' sessions) asks for a restore.
+OTHER_SESSIONS = {
+    "another role's session": ("postgres",),
+    "a session of the app's role": ("app",),
+    "both": ("postgres", "app"),
+}
+
+
+@on_own_cluster
+@pytest.mark.parametrize("roles", OTHER_SESSIONS.values(), ids=OTHER_SESSIONS.keys())
+def test_restore_refuses_while_any_other_session_is_connected_naming_each(
+    password_cluster, store, tmp_path, roles
+):
+    url, keywords = store
+    with psycopg.connect(**keywords, password=PASSWORD) as connection:
+        superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+        assert connection.execute(superuser).fetchone() == (False,)
+    migrate_to_head(url)
+    assert flask(url, "seed", "3").returncode == 0
+    dump = tmp_path / "store.dump"
+    assert flask(url, "backup", str(dump)).returncode == 0, "backup"
+    assert flask(url, "seed", "2").returncode == 0
+    with contextlib.ExitStack() as stack:
+        sessions = {
+            stack.enter_context(
+                connect_as(role, password_cluster, keywords, f"{role}-shell")
+            ).info.backend_pid: role
+            for role in roles
+        }
+        refused = flask(url, "restore", str(dump))
+    assert refused.returncode == 1, refused.stdout
+    user = keywords["user"]
+    named = {
+        # PostgreSQL shows the app's role no address for another role's session.
+        "postgres": "role postgres, application postgres-shell, its address not shown to role "
+        + user,
+        "app": f"role {user}, application app-shell, from 127.0.0.1",
+    }
+    listed = ", ".join(f"pid {pid} ({named[role]})" for pid, role in sorted(sessions.items()))
+    assert (
+        f"Error: Other sessions are connected to the database: {listed}. Stop the service "
+        "(every gunicorn instance on it) and end these sessions before restoring."
+    ) in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert count_animals(keywords) == 5
+
+
+@on_own_cluster
+def test_restore_goes_ahead_while_autovacuum_works_on_the_database(
+    password_cluster, store, tmp_path
+):
+    url, keywords = store
+    migrate_to_head(url)
+    assert flask(url, "seed", "3").returncode == 0
+    dump = tmp_path / "store.dump"
+    assert flask(url, "backup", str(dump)).returncode == 0, "backup"
+    assert flask(url, "seed", "2").returncode == 0
+    # A table autovacuum works through for minutes (a pause of 400 ms a page), so its worker is
+    # in the store's database while the restore looks; a naptime of a second to start it soon.
+    database = keywords["dbname"]
+    password_cluster.sql(
+        "CREATE TABLE slow WITH (autovacuum_vacuum_cost_delay = 100, "
+        "autovacuum_vacuum_cost_limit = 1) AS SELECT g FROM generate_series(1, 100000) AS g; "
+        "DELETE FROM slow WHERE g % 2 = 0;",
+        database,
+    )
+    workers = (
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' "
+        "AND datname = current_database()"
+    )
+    password_cluster.sql("ALTER SYSTEM SET autovacuum_naptime = 1; SELECT pg_reload_conf();")
+    try:
+        deadline = time.monotonic() + 120
+        while not password_cluster.sql(workers, database).strip():
+            assert time.monotonic() < deadline, "no autovacuum worker started"
+            time.sleep(0.2)
+        restore = flask(url, "restore", str(dump))
+    finally:
+        password_cluster.sql("ALTER SYSTEM RESET autovacuum_naptime; SELECT pg_reload_conf();")
+        password_cluster.sql("DROP TABLE slow", database)  # autovacuum yields its lock
+    assert restore.returncode == 0, restore.stderr
+    assert "3 animals, 0 API keys. Start the service again." in restore.stdout
+    assert count_animals(keywords) == 3
 
 
 def other_database_dump(cluster, tmp_path):
