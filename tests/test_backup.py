@@ -261,6 +261,10 @@ def password_cluster():
 def store(password_cluster):
     """A database owned by a role of its own that needs PASSWORD: its URL, percent-encoded as
     the docs say, and the libpq keywords to reach it without the password."""
+    return make_store(password_cluster)
+
+
+def make_store(password_cluster):
     name = f"store_{uuid.uuid4().hex[:12]}"
     password_cluster.create_role(name, PASSWORD)
     password_cluster.create_database(name, owner=name)
@@ -384,20 +388,32 @@ OTHER_SESSIONS = {
 }
 
 
+def store_and_backup(password_cluster, directory):
+    """Make a store whose backup (returned last) holds 3 animals and that now holds 5."""
+    url, keywords = make_store(password_cluster)
+    migrate_to_head(url)
+    assert flask(url, "seed", "3").returncode == 0
+    dump = directory / "store.dump"
+    assert flask(url, "backup", str(dump)).returncode == 0, "backup"
+    assert flask(url, "seed", "2").returncode == 0
+    return url, keywords, dump
+
+
+@pytest.fixture(scope="module")
+def refused_store(password_cluster, tmp_path_factory):
+    """A store and its backup for the tests whose restore is refused, and so changes nothing."""
+    return store_and_backup(password_cluster, tmp_path_factory.mktemp("refused"))
+
+
 @on_own_cluster
 @pytest.mark.parametrize("roles", OTHER_SESSIONS.values(), ids=OTHER_SESSIONS.keys())
 def test_restore_refuses_while_any_other_session_is_connected_naming_each(
-    password_cluster, store, tmp_path, roles
+    password_cluster, refused_store, roles
 ):
-    url, keywords = store
+    url, keywords, dump = refused_store
     with psycopg.connect(**keywords, password=PASSWORD) as connection:
         superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
         assert connection.execute(superuser).fetchone() == (False,)
-    migrate_to_head(url)
-    assert flask(url, "seed", "3").returncode == 0
-    dump = tmp_path / "store.dump"
-    assert flask(url, "backup", str(dump)).returncode == 0, "backup"
-    assert flask(url, "seed", "2").returncode == 0
     with contextlib.ExitStack() as stack:
         sessions = {
             stack.enter_context(
@@ -424,15 +440,8 @@ def test_restore_refuses_while_any_other_session_is_connected_naming_each(
 
 
 @on_own_cluster
-def test_restore_goes_ahead_while_autovacuum_works_on_the_database(
-    password_cluster, store, tmp_path
-):
-    url, keywords = store
-    migrate_to_head(url)
-    assert flask(url, "seed", "3").returncode == 0
-    dump = tmp_path / "store.dump"
-    assert flask(url, "backup", str(dump)).returncode == 0, "backup"
-    assert flask(url, "seed", "2").returncode == 0
+def test_restore_goes_ahead_while_autovacuum_works_on_the_database(password_cluster, tmp_path):
+    url, keywords, dump = store_and_backup(password_cluster, tmp_path)
     # A table autovacuum works through for minutes (a pause of 400 ms a page), so its worker is
     # in the store's database while the restore looks; a naptime of a second to start it soon.
     database = keywords["dbname"]
