@@ -16,6 +16,7 @@ import pytest
 from alembic.script import ScriptDirectory
 from conftest import PROJECT_DIR, migrate_to_head, start_own_cluster
 from flask_migrate import upgrade
+from nginx_server import free_port, stop_process, wait_for_port
 
 from animal_store import create_app
 from animal_store.database import describe_database
@@ -94,30 +95,119 @@ def test_format_time_is_utc():
     assert format_time(None) == "never"
 
 
-def test_quickstart_again_while_its_server_runs_makes_a_key_and_exits(client, runner):
+# quickstart on a port that is taken: the key works there only if the program on it says so.
+
+QUICKSTART = [sys.executable, "-m", "flask", "--app", "animal_store", "quickstart", "--port"]
+
+
+@pytest.fixture
+def start_program(tmp_path):
+    """Start a program with a free loopback port as its last argument and return the port; each
+    is stopped by PID afterwards."""
+    processes = []
+
+    def start(command, env=None):
+        port = free_port()
+        log = tmp_path / f"program-{len(processes)}.log"
+        with log.open("wb") as out:
+            processes.append(
+                subprocess.Popen(
+                    [*command, str(port)],
+                    cwd=tmp_path,
+                    env={**os.environ, **(env or {})},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        wait_for_port(processes[-1], port, shlex.join(command), log.read_text, timeout=60)
+        return port
+
+    yield start
+    for process in processes:
+        stop_process(process, timeout=10)
+
+
+def frozen_redis(request, start_program):
+    server = request.getfixturevalue("own_redis")
+    server.freeze()  # it takes connections (the kernel does) and never answers
+    return server.port
+
+
+# What holds the port, and what quickstart then says it answered.
+OTHER_PROGRAMS = {
+    "python -m http.server": (
+        lambda request, start_program: start_program(
+            [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+        ),
+        "it answered 404 File not found",
+    ),
+    "a Redis": (
+        lambda request, start_program: request.getfixturevalue("own_redis").port,
+        "it does not speak HTTP: it answered '-ERR wrong number of arguments for 'get' command",
+    ),
+    "a Redis that does not answer": (
+        frozen_redis,
+        "it did not answer within 5 seconds",
+    ),
+    "an Animal Store on another database": (
+        lambda request, start_program: start_program(
+            QUICKSTART, {"DATABASE_URL": f"sqlite:///{request.getfixturevalue('tmp_path')}/b.db"}
+        ),
+        'it answered 401 UNAUTHORIZED: "The API key is not valid, has expired or has been '
+        'revoked."',
+    ),
+}
+
+
+@pytest.mark.parametrize(("hold", "answer"), OTHER_PROGRAMS.values(), ids=OTHER_PROGRAMS.keys())
+def test_quickstart_on_a_port_another_program_holds_refuses_and_revokes_the_key(
+    request, runner, start_program, hold, answer
+):
+    port = hold(request, start_program)
+    result = runner.invoke(args=["quickstart", "--port", str(port)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # a ClickException, not a traceback
+    refusal = result.stderr.splitlines()[-1]
+    assert refusal.startswith(
+        f"Error: 127.0.0.1:{port} is held by another program, not an Animal Store on this "
+        f"database: asked GET /v1/pets with the new key, {answer}"
+    ), refusal
+    # The key went to that program: it is revoked, and never shown.
+    assert "ask_" not in result.output
+    (name,) = re.findall(r"The key '(quickstart-[\d-]+)' is revoked", refusal)
+    (listed,) = [line for line in runner.invoke(args=["keys", "list"]).stdout.splitlines()[1:]]
+    assert listed.startswith(name)
+    assert " revoked " in listed
+
+
+def test_quickstart_again_while_its_server_runs_makes_a_working_key_and_exits(
+    client, runner, start_program, database_url
+):
     # The first quickstart's server holds the port; the second run only makes another key.
-    with socket.create_server(("127.0.0.1", 0)) as first_server:
-        port = first_server.getsockname()[1]
-        result = runner.invoke(args=["quickstart", "--port", str(port)])
+    port = start_program(QUICKSTART, {"DATABASE_URL": database_url})
+    result = runner.invoke(args=["quickstart", "--port", str(port)])
     assert result.exit_code == 0, result.output
-    assert "no second server is started" in result.output
+    assert result.stdout.splitlines()[-1] == (
+        f"An Animal Store on this database already serves 127.0.0.1:{port} and accepted the new "
+        "key: no second server is started."
+    )
     (key,) = re.findall(r"\(shown only now\): (ask_\S+)", result.output)
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
 
-def test_quickstart_says_its_database_once(tmp_path):
+def test_quickstart_says_its_database_once(tmp_path, start_program):
     # It migrates in process, and the migration says which database too.
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        port = str(taken.getsockname()[1])
-        result = subprocess.run(
-            [sys.executable, "-m", "flask", "--app", "animal_store", "quickstart", "--port", port],
-            cwd=tmp_path,
-            env={**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/store.sqlite3"},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert result.returncode == 0, result.stderr
+    port = start_program([sys.executable, "-m", "http.server", "--bind", "127.0.0.1"])
+    result = subprocess.run(
+        [*QUICKSTART, str(port)],
+        cwd=tmp_path,
+        env={**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/store.sqlite3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "is held by another program" in result.stderr
     said = (result.stdout + result.stderr).count(f"Database: sqlite:///{tmp_path}/store.sqlite3")
     assert said == 1, result.stderr
 
