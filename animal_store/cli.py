@@ -2,17 +2,12 @@
 first run, and the commands of the other modules."""
 
 import re
-import socket
 from datetime import UTC, datetime, timedelta
-from typing import cast
 
 import click
 from flask import Flask, current_app
-from flask.cli import AppGroup, with_appcontext
-from flask_migrate import upgrade
+from flask.cli import AppGroup
 from sqlalchemy.exc import IntegrityError
-from werkzeug.local import LocalProxy
-from werkzeug.serving import run_simple
 
 from animal_store import errors, rate_limits
 from animal_store.auth import SCOPES, issue_key, rotate_key
@@ -22,6 +17,7 @@ from animal_store.extensions import db, settings
 from animal_store.idempotency.claims import purge_expired
 from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
+from animal_store.quickstart import quickstart
 from animal_store.seed import seed_command
 
 keys_cli = AppGroup("keys", help="Create, list, limit, rotate and revoke API keys.")
@@ -226,46 +222,6 @@ def print_error_table() -> None:
 def print_nginx_errors() -> None:
     """Print the error bodies nginx answers with, for config/nginx.conf."""
     click.echo(errors.nginx_error_locations(settings(current_app)))
-
-
-@click.command("quickstart")
-@with_appcontext
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=5000, show_default=True)
-@uses_database(schema=False)
-def quickstart(host: str, port: int) -> None:
-    """Create or upgrade the database, make an API key, and run the development server."""
-    upgrade()
-    name = "quickstart-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    _, key = issue_key(name)
-    db.session.commit()
-    click.echo(f"API key {name!r} (shown only now): {key}")
-    click.echo("Try, from another terminal:")
-    click.echo(
-        f"  curl -i -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-        f"""-d '{{"name": "Rex", "categoryId": 1, "status": "available"}}' """
-        f"http://{host}:{port}/v1/pets"
-    )
-    click.echo(f"  curl -H 'Authorization: Bearer {key}' http://{host}:{port}/v1/pets")
-    if port_taken(host, port):
-        # Run again for another key while the first quickstart's server runs: the key is made.
-        click.echo(
-            f"Something already listens on {host}:{port} (the server of an earlier quickstart?): "
-            "the key works there; no second server is started."
-        )
-        return
-    app = cast("LocalProxy[Flask]", current_app)._get_current_object()
-    # Threaded: each request runs in its own thread with its own app context.
-    run_simple(host, port, app, threaded=True)
-
-
-def port_taken(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.create_server((host, port), family=family):
-            return False
-    except OSError:
-        return True
 
 
 def find_named_key(name: str) -> ApiKey:

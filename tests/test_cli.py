@@ -133,8 +133,27 @@ def frozen_redis(request, start_program):
     return server.port
 
 
+# A raw TCP server that speaks first, and no HTTP, as an SSH server does.
+SPEAKS_FIRST = """
+import socket, sys
+with socket.create_server(("127.0.0.1", int(sys.argv[1]))) as server:
+    while True:
+        connection, _ = server.accept()
+        try:
+            connection.sendall(b"SSH-2.0-OpenSSH_9.6\\r\\n")
+            while connection.recv(65536):
+                pass
+        except OSError:
+            pass
+        connection.close()
+"""
+
 # What holds the port, and what quickstart then says it answered.
 OTHER_PROGRAMS = {
+    "a raw TCP server": (
+        lambda request, start_program: start_program([sys.executable, "-c", SPEAKS_FIRST]),
+        "it does not speak HTTP: it answered 'SSH-2.0-OpenSSH_9.6'",
+    ),
     "python -m http.server": (
         lambda request, start_program: start_program(
             [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
@@ -143,7 +162,8 @@ OTHER_PROGRAMS = {
     ),
     "a Redis": (
         lambda request, start_program: request.getfixturevalue("own_redis").port,
-        "it does not speak HTTP: it answered '-ERR wrong number of arguments for 'get' command",
+        # Redis drops a connection that sends it "Host:" (an HTTP request), unanswered.
+        "it closed the connection without an answer",
     ),
     "a Redis that does not answer": (
         frozen_redis,
@@ -193,6 +213,16 @@ def test_quickstart_again_while_its_server_runs_makes_a_working_key_and_exits(
     )
     (key,) = re.findall(r"\(shown only now\): (ask_\S+)", result.output)
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_quickstart_on_an_address_not_this_machines_refuses_before_making_a_key(runner):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine's own address.
+    result = runner.invoke(args=["quickstart", "--host", "192.0.2.1", "--port", "5000"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines()[-1] == (
+        "Error: Cannot serve on 192.0.2.1:5000: Cannot assign requested address."
+    )
+    assert runner.invoke(args=["keys", "list"]).stdout.splitlines()[1:] == []
 
 
 def test_quickstart_says_its_database_once(tmp_path, start_program):
