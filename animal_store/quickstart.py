@@ -59,7 +59,7 @@ def quickstart(host: str, port: int) -> None:
             db.session.commit()
             raise click.ClickException(
                 f"{address(host, port)} is held by another program, not an Animal Store on this "
-                f"database: asked GET /v1/pets with the new key, {answer}. The key {name!r} is "
+                f"database: to GET /v1/pets with the new key, {answer}. The key {name!r} is "
                 "revoked: it went to that program. Run quickstart again with --port and a port "
                 "nothing listens on."
             )
@@ -136,7 +136,7 @@ def unaccepted_answer(host: str, port: int, key: str) -> str | None:
         return None if isinstance(document, list) else f"{said}, but not with a list of animals"
     if isinstance(document, dict) and isinstance(document.get("message"), str):
         # An error object ({code, message, status}): an Animal Store, or one like it.
-        return f'{said}: "{document["message"][:200]}"'
+        return f'{said} ("{document["message"][:200]}")'
     return said
 
 

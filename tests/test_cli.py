@@ -173,8 +173,8 @@ OTHER_PROGRAMS = {
         lambda request, start_program: start_program(
             QUICKSTART, {"DATABASE_URL": f"sqlite:///{request.getfixturevalue('tmp_path')}/b.db"}
         ),
-        'it answered 401 UNAUTHORIZED: "The API key is not valid, has expired or has been '
-        'revoked."',
+        'it answered 401 UNAUTHORIZED ("The API key is not valid, has expired or has been '
+        'revoked.")',
     ),
 }
 
@@ -190,7 +190,7 @@ def test_quickstart_on_a_port_another_program_holds_refuses_and_revokes_the_key(
     refusal = result.stderr.splitlines()[-1]
     assert refusal.startswith(
         f"Error: 127.0.0.1:{port} is held by another program, not an Animal Store on this "
-        f"database: asked GET /v1/pets with the new key, {answer}"
+        f"database: to GET /v1/pets with the new key, {answer}."
     ), refusal
     # The key went to that program: it is revoked, and never shown.
     assert "ask_" not in result.output
@@ -213,6 +213,18 @@ def test_quickstart_again_while_its_server_runs_makes_a_working_key_and_exits(
     )
     (key,) = re.findall(r"\(shown only now\): (ask_\S+)", result.output)
     assert client.get("/v1/pets", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_quickstart_in_the_second_of_an_earlier_one_names_its_key_apart(runner, start_program):
+    # An earlier quickstart's key of this second (and of the next, should it turn meanwhile).
+    now = datetime.now(UTC)
+    for moment in (now, now + timedelta(seconds=1)):
+        name = "quickstart-" + moment.strftime("%Y%m%d-%H%M%S")
+        assert runner.invoke(args=["keys", "create", name]).exit_code == 0
+    port = start_program([sys.executable, "-m", "http.server", "--bind", "127.0.0.1"])
+    result = runner.invoke(args=["quickstart", "--port", str(port)])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"The key 'quickstart-\d{8}-\d{6}-2' is revoked", result.stderr), result.stderr
 
 
 def test_quickstart_on_an_address_not_this_machines_refuses_before_making_a_key(runner):
