@@ -1,61 +1,23 @@
-"""Animal Store: an HTTP/JSON service for managing the animals a store offers."""
+"""Animal Store: an HTTP/JSON service for managing the animals a store offers.
 
-from collections.abc import Iterable, Mapping
-from pathlib import Path
-from typing import Any
+The app is made by create_app, in factory.py, which this package imports on first use rather
+than with itself: `flask --app animal_store` imports the package before it looks for the app, and
+takes any ImportError raised there for a missing app (it ends with "No such command 'db'", as if
+Flask-Migrate were not installed). Raised when create_app is looked up, the release's own
+ImportError is the last thing `flask` says, as it is where gunicorn imports wsgi.py.
+"""
 
-from flask import Blueprint, Flask
+from typing import TYPE_CHECKING, Any
 
-from animal_store import health, openapi, pets
-from animal_store.api import register_api
-from animal_store.body import refuse_unsupported_framing
-from animal_store.cli import register_commands
-from animal_store.deadlines import init_deadlines
-from animal_store.extensions import db, migrate, tune_sqlite_connections
-from animal_store.failover import init_failover
-from animal_store.hooks import AnimalStore, register_hooks
-from animal_store.json_provider import OrjsonProvider
-from animal_store.logs import configure_logging, log_request, start_timer
-from animal_store.metrics import init_metrics
-from animal_store.proxies import trust_proxies
-from animal_store.request_id import add_request_id_header
-from animal_store.security_headers import security_headers
-from animal_store.settings import load_settings
+if TYPE_CHECKING:
+    from animal_store.factory import MIGRATIONS_DIR, RESOURCES, create_app
 
-MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
-# The blueprints served under /v1, each inheriting everything the API layer gives (api/).
-RESOURCES = (pets.bp, openapi.bp)
+__all__ = ["MIGRATIONS_DIR", "RESOURCES", "create_app"]
 
 
-def create_app(
-    test_config: Mapping[str, Any] | None = None, resources: Iterable[Blueprint] = RESOURCES
-) -> Flask:
-    """Create and configure an instance of the animal store."""
-    app = AnimalStore(__name__, instance_relative_config=True)
-    # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
-    app.url_map.merge_slashes = False
-    load_settings(app, test_config)
-    configure_logging(app)
-    app.json = OrjsonProvider(app)
-    db.init_app(app)
-    tune_sqlite_connections(app)
-    migrate.init_app(app, db, directory=MIGRATIONS_DIR)
-    start_deadline = init_deadlines(app)
-    # A key or an answer a worker kept is used only from the database server it came from.
-    policies = register_api(app, resources, before=init_failover(app))
-    app.register_blueprint(health.bp)
-    register_commands(app)
-    trust_proxies(app)
-    # Last: it labels requests by every route registered above.
-    metrics = init_metrics(app)
-    register_hooks(
-        app,
-        before=(start_timer, *start_deadline, refuse_unsupported_framing),
-        after=(
-            metrics.observe,
-            security_headers(private=policies.requires_key),
-            add_request_id_header,
-            log_request,
-        ),
-    )
-    return app
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from animal_store import factory
+
+        return getattr(factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

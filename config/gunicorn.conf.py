@@ -83,8 +83,17 @@ def on_starting(server: "Arbiter") -> None:
 
 
 def check_settings(server: "Arbiter") -> int:
-    """Check the settings as create_app() does; log what is wrong and return 1, or return 0."""
+    """Import the release and check the settings as create_app() does; log what is wrong and
+    return 1, or return 0."""
+    log = cast(glogging.Logger, server.log)
     try:
+        # Every module the workers import: a release that cannot be imported (a dependency the
+        # lock gained but pip did not install) is said here once, not by each worker in turn.
+        import animal_store.factory  # noqa: F401
+    except BaseException:
+        log.exception("The release cannot be imported")
+        return 1
+    else:
         from animal_store.settings import SettingsError, check_environment
 
         try:
@@ -93,12 +102,13 @@ def check_settings(server: "Arbiter") -> int:
             # The arbiter has its log by the time it calls on_starting. A record a setting: one
             # JSON line each, as `flask` prints one line each.
             for line in error.format_message().splitlines():
-                cast(glogging.Logger, server.log).error("%s", line)
+                log.error("%s", line)
             return 1
-    except BaseException:
-        cast(glogging.Logger, server.log).exception("The app cannot load its settings")
-        return 1
+        except BaseException:
+            log.exception("The app cannot load its settings")
+            return 1
     finally:
+        # The check's process ends with os._exit, which flushes nothing.
         sys.stdout.flush()
     return 0
 
@@ -267,8 +277,9 @@ def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
 
 
 def worker_exit(server: "Arbiter", worker: "Worker") -> None:
-    # A worker that stops (a reload, a restart, max_requests) writes what it counted last.
-    if "animal_store_metrics" in getattr(worker.wsgi, "extensions", {}):
+    # A worker that stops (a reload, a restart, max_requests) writes what it counted last. One
+    # that could not load the app has no `wsgi`, and nothing counted: gunicorn has logged why.
+    if "animal_store_metrics" in getattr(getattr(worker, "wsgi", None), "extensions", {}):
         from animal_store.metrics import request_metrics
 
         request_metrics(cast("Flask", worker.wsgi)).write()

@@ -322,6 +322,33 @@ def start_gunicorn(database_url, tmp_path):
         server.stop()
 
 
+# What a release is made of, as gunicorn and `flask` load it from its directory.
+RELEASE_FILES = ("animal_store", "config", "wsgi.py")
+# A distribution no environment has: what a release that needs one not installed imports.
+MISSING_DEPENDENCY = "animal_store_missing_dependency"
+
+
+def copy_release(directory):
+    """Copy the checkout's release files into `directory`; return it."""
+    directory.mkdir(exist_ok=True)
+    for name in RELEASE_FILES:
+        source = PROJECT_DIR / name
+        if source.is_dir():
+            shutil.copytree(source, directory / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, directory / name)
+    return directory
+
+
+def break_release(directory):
+    """Have the release in `directory` need a dependency that is not installed, as one whose
+    lock gained a distribution does when `pip install` was skipped; return the error's last
+    line, as Python says it."""
+    module = directory / "animal_store" / "pets.py"
+    module.write_text(f"import {MISSING_DEPENDENCY}\n" + module.read_text())
+    return f"ModuleNotFoundError: No module named '{MISSING_DEPENDENCY}'"
+
+
 @pytest.fixture(scope="session")
 def certificate(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1, made by openssl: (certificate, key) paths."""

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 import click
 import pytest
 from alembic.script import ScriptDirectory
-from conftest import PROJECT_DIR, migrate_to_head, start_own_cluster
+from conftest import PROJECT_DIR, break_release, copy_release, migrate_to_head, start_own_cluster
 from flask_migrate import upgrade
 from nginx_server import free_port, stop_process, wait_for_port
 
@@ -589,3 +589,23 @@ def test_every_command_refuses_a_database_it_cannot_use_in_one_line(
     assert problem in refusal
     assert ROLE_PASSWORD not in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["existing.dump"]
+
+
+@pytest.mark.parametrize("command", [("db", "upgrade"), ("keys", "list")])
+def test_a_command_of_an_unimportable_release_ends_with_its_import_error(tmp_path, command):
+    # Not "No such command 'db'", which points at a missing Flask-Migrate.
+    release = copy_release(tmp_path / "release")
+    said = break_release(release)
+    result = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "animal_store", *command],
+        cwd=release,
+        env={**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'store.sqlite3'}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "No such command" not in result.stderr
+    assert result.stderr.splitlines()[-1] == said
+    assert result.stderr.count(said) == 1
+    assert result.stderr.count("Traceback") == 1

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gunicorn
 import pytest
 import requests
-from conftest import PROJECT_DIR
+from conftest import PROJECT_DIR, break_release, copy_release
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
 from animal_store import gunicorn_errors
@@ -239,3 +240,47 @@ def refused_boot(tmp_path, variables) -> list[dict]:
     assert {line["level"] for line in lines[1:]} == {"ERROR"}
     assert list(temporary.iterdir()) == []
     return lines[1:]
+
+
+def tracebacks(lines) -> list[dict]:
+    """The records of these gunicorn log lines that carry a traceback."""
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    return [r for r in records if "exception" in r or "Traceback" in r["message"]]
+
+
+def test_an_unimportable_release_stops_the_boot_with_its_import_error_once(tmp_path):
+    release = copy_release(tmp_path / "release")
+    said = break_release(release)
+    result = subprocess.run(
+        [*GUNICORN, "--bind", "127.0.0.1:0", "--workers", "2"],
+        cwd=release,
+        env={**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'store.sqlite3'}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr == ""
+    errors = [json.loads(line) for line in result.stdout.splitlines()][1:]
+    assert [(line["level"], line["message"]) for line in errors] == [
+        ("ERROR", "The release cannot be imported")
+    ]
+    assert errors[0]["exception"].splitlines()[-1] == said
+
+
+def test_a_reload_onto_an_unimportable_release_says_its_import_error_once_a_worker(
+    start_gunicorn, tmp_path
+):
+    release = copy_release(tmp_path / "release")
+    server = start_gunicorn(workers=2, directory=release)
+    said = break_release(release)
+    server.process.send_signal(signal.SIGHUP)
+    # gunicorn stops the instance when a worker cannot load the app.
+    assert server.process.wait(timeout=60) != 0
+    after_reload = server.log().partition("Hang up: Master")[2].splitlines()
+    said_with_traceback = tracebacks(after_reload)
+    assert 1 <= len(said_with_traceback) <= 2, said_with_traceback
+    for record in said_with_traceback:
+        assert record["message"] == "Exception in worker process"
+        assert record["exception"].splitlines()[-1] == said

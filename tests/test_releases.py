@@ -6,7 +6,6 @@ from git history, is upgraded in place by the documented steps with nothing lost
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from collections import Counter
 import pytest
 import requests
 import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL
+from conftest import TEST_DATABASE_URL, copy_release
 from nginx_server import NGINX, PROJECT_DIR
 from prometheus_client.parser import text_string_to_metric_families
 from test_release_steps import upgrade_script
@@ -30,8 +29,6 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (D
 EXEC_RELOAD = re.search(
     r"^\s*ExecReload=(.+)$", (PROJECT_DIR / "docs" / "deploy.rst").read_text(), re.MULTILINE
 ).group(1)
-# What a release is made of, as gunicorn serves it from its directory.
-RELEASE_FILES = ("animal_store", "config", "wsgi.py")
 # Within this many seconds of the reload every worker runs the new release (the issue's bound).
 RELOAD_WITHIN = 10
 PRODUCTION = {"ANIMAL_STORE_ENV": "production", "ANIMAL_STORE_RATE_LIMIT": "1000000 per minute"}
@@ -182,10 +179,7 @@ def ready_lines(gunicorn, version):
 def test_a_reload_puts_the_release_on_disk_into_service(
     tmp_path, database_url, make_key, start_gunicorn, start_nginx, certificate
 ):
-    release = tmp_path / "release"
-    for name in RELEASE_FILES:
-        copy = shutil.copytree if (PROJECT_DIR / name).is_dir() else shutil.copy
-        copy(PROJECT_DIR / name, release / name)
+    release = copy_release(tmp_path / "release")
     gunicorn = start_gunicorn(workers=2, env=PRODUCTION, directory=release)
     nginx = start_nginx([gunicorn.url.removeprefix("http://")])
     key, scrapes = make_key(), []
