@@ -442,12 +442,13 @@ def database_unavailable(read_only: bool = False) -> APIError:
     return kind(headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)})
 
 
-def raw_error_response(status: int) -> bytes:
+def raw_error_response(status: int, request_id: str) -> bytes:
     """Return a whole HTTP/1.1 error response, for a server to send before any app runs.
 
     gunicorn answers requests it cannot parse (header or URL too long, bad chunked framing) on its
     own (animal_store/gunicorn_errors.py); the message is the catalogue's, never the server's,
-    which may quote what the client sent (a header with a key).
+    which may quote what the client sent (a header with a key). `request_id` is the answer's
+    X-Request-ID, as every answer has one.
     """
     kind = KIND_OF_STATUS.get(status, BAD_REQUEST)
     body = orjson.dumps(error_body(kind))
@@ -456,6 +457,7 @@ def raw_error_response(status: int) -> bytes:
         "Connection: close\r\n"
         "Content-Type: application/json\r\n"
         "X-Content-Type-Options: nosniff\r\n"
+        f"X-Request-ID: {request_id}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("latin-1") + body

@@ -2,7 +2,9 @@
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -284,3 +286,59 @@ def test_a_reload_onto_an_unimportable_release_says_its_import_error_once_a_work
     for record in said_with_traceback:
         assert record["message"] == "Exception in worker process"
         assert record["exception"].splitlines()[-1] == said
+
+
+CLIENT_ID = "client-id-7"
+# Requests gunicorn refuses itself, before any app runs: (request line, header lines, status,
+# whether gunicorn had parsed the headers, so that the client's own ID comes back).
+OWN_REFUSALS = {
+    "expectation": ("POST /v1/pets HTTP/1.1", ["Expect: pay-first"], 417, False),
+    "unknown-coding": ("POST /v1/pets HTTP/1.1", ["Transfer-Encoding: x-unknown"], 501, False),
+    "coding-not-decoded": ("POST /v1/pets HTTP/1.1", ["Transfer-Encoding: gzip"], 501, True),
+    "bad-request-line": ("GET /v1/pets HTTP/1.1 x", [], 400, False),
+    "bad-version": ("GET /v1/pets HTTP/9.9", [], 400, False),
+    "uri-too-long": ("GET /v1/pets?q=" + "x" * 5000 + " HTTP/1.1", [], 414, False),
+    "header-too-large": ("GET /v1/pets HTTP/1.1", ["X-Big: " + "x" * 9000], 431, False),
+}
+
+
+def raw_exchange(port, request_line, header_lines) -> tuple[int, dict[str, str]]:
+    """Send one request as these exact lines; return the answer's status and headers."""
+    lines = [request_line, "Host: 127.0.0.1", *header_lines, "Content-Length: 0"]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer and (data := connection.recv(65536)):
+            answer += data
+    status_line, *fields = answer.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    headers = dict(field.split(": ", 1) for field in fields)
+    return int(status_line.split()[1]), headers
+
+
+@pytest.mark.parametrize(
+    ("request_line", "header_lines", "status", "parsed"),
+    OWN_REFUSALS.values(),
+    ids=OWN_REFUSALS.keys(),
+)
+def test_gunicorns_own_refusals_carry_a_request_id_its_log_line_names(
+    start_gunicorn, request_line, header_lines, status, parsed
+):
+    server = start_gunicorn(workers=1)
+    sent = [f"X-Request-ID: {CLIENT_ID}", *header_lines]
+    answered, headers = raw_exchange(server.port, request_line, sent)
+    assert answered == status
+    request_id = headers["X-Request-ID"]
+    if parsed:
+        assert request_id == CLIENT_ID
+    else:
+        assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    # gunicorn's warning about the refusal names the same ID.
+    deadline = time.monotonic() + 30
+    while f'"request_id":"{request_id}"' not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    named = [
+        record
+        for record in map(json.loads, re.findall(r"^{.*}$", server.log(), re.MULTILINE))
+        if record.get("request_id") == request_id
+    ]
+    assert [record["message"][:16] for record in named] == ["Invalid request "]
