@@ -34,7 +34,9 @@ def create_app(
     test_config: Mapping[str, Any] | None = None, resources: Iterable[Blueprint] = RESOURCES
 ) -> Flask:
     """Create and configure an instance of the animal store."""
-    app = AnimalStore(__name__, instance_relative_config=True)
+    # The package's name, as Flask advises for a package: it names the app's logger and finds
+    # the instance folder and the package's files.
+    app = AnimalStore("animal_store", instance_relative_config=True)
     # //v1/pets is not /v1/pets: a path means exactly what it says, nothing is normalised.
     app.url_map.merge_slashes = False
     load_settings(app, test_config)
