@@ -15,7 +15,12 @@ from typing import Any, cast
 import orjson
 from flask import Flask, Response, current_app, request
 from sqlalchemy import exc as sa_exc
-from werkzeug.exceptions import HTTPException, InternalServerError, MethodNotAllowed
+from werkzeug.exceptions import (
+    ClientDisconnected,
+    HTTPException,
+    InternalServerError,
+    MethodNotAllowed,
+)
 
 from animal_store.extensions import db, settings
 from animal_store.schemas import ErrorSchema
@@ -93,8 +98,9 @@ TRUNCATED_BODY = ErrorKind(
 MALFORMED_BODY = ErrorKind(
     400,
     "bad_request",
-    "The request body is malformed: {reason}.",
-    "The body's chunked framing is broken.",
+    "The request body's chunked framing is broken: send each chunk as its size in hexadecimal, "
+    "CRLF, its bytes and CRLF, and end the body with a chunk of size 0.",
+    "The body's chunked framing is broken, or the body ended before its last chunk.",
 )
 BAD_REQUEST = ErrorKind(
     400,
@@ -364,9 +370,8 @@ def http_error_message(kind: ErrorKind, error: HTTPException) -> str:
         return kind.message.format(limit=error.description)
     if kind is PAYLOAD_TOO_LARGE:
         return kind.message.format(limit=settings(current_app).MAX_CONTENT_LENGTH)
-    if kind is BAD_REQUEST:
-        # Werkzeug's own 400s (a client that disconnected mid-body) say what happened.
-        return error.description or kind.message
+    # Not the exception's description: Werkzeug's words ("The browser (or proxy) sent a request
+    # that this server could not understand."), not the catalogue's.
     return kind.message
 
 
@@ -465,7 +470,23 @@ def raw_error_response(status: int, request_id: str) -> bytes:
 
 def handle_malformed_body(error: Exception) -> ErrorAnswer:
     # gunicorn parses a chunked body only as the app reads it, so its complaint surfaces here.
-    return handle_api_error(MALFORMED_BODY(reason=error))
+    # Its words are not said: they quote what the client sent, and the other servers say others.
+    return handle_api_error(MALFORMED_BODY())
+
+
+def handle_client_disconnected(error: ClientDisconnected) -> ErrorAnswer:
+    """Answer a body that Werkzeug's reading found ended early or broken as the catalogue does.
+
+    The development server gives the app a body as it comes: one shorter than its Content-Length,
+    or whose chunked framing is broken or cut, is found only as it is read, and Werkzeug raises
+    ClientDisconnected for all of them (gunicorn too, for a chunked body cut short). The answer is
+    the one gunicorn gives for the same bytes (body.whole_body, handle_malformed_body).
+    """
+    expected = request.content_length
+    if expected is None:  # chunked: a body sent with neither header is empty, never cut
+        return handle_api_error(MALFORMED_BODY())
+    # Werkzeug's stream, limited to the Content-Length, counts what it has read.
+    return handle_api_error(TRUNCATED_BODY(received=request.stream.tell(), expected=expected))
 
 
 def register_error_handlers(app: Flask) -> None:
@@ -474,6 +495,7 @@ def register_error_handlers(app: Flask) -> None:
         from gunicorn.http.errors import ParseException
 
         app.register_error_handler(ParseException, handle_malformed_body)
+    app.register_error_handler(ClientDisconnected, handle_client_disconnected)
     app.register_error_handler(APIError, handle_api_error)
     # Raised out of any view that writes: no view catches it itself.
     app.register_error_handler(sa_exc.IntegrityError, handle_integrity_error)

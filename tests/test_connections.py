@@ -16,6 +16,8 @@ import threading
 import pytest
 from werkzeug.serving import make_server
 
+from animal_store import errors
+
 LIMIT = 64 * 1024
 SIZES = [1024, LIMIT, LIMIT + 1, 200_000, 2_000_000]
 FRAMINGS = ["content-length", "chunked"]
@@ -47,6 +49,46 @@ FRAMING_REFUSALS = {
     "Expect: 100-continue, pay-first": 417,
 }
 VALID = b'{"name":"Rex","categoryId":1}'
+# A body that ends (the client closes its side) before its framing says it does, or whose chunked
+# framing is broken, by its header lines and bytes, and the catalogue's message every server
+# answers it with. With an Idempotency-Key the body is read first for its fingerprint.
+TRUNCATED = errors.TRUNCATED_BODY.message.format(received=len(VALID), expected=500)
+MALFORMED = errors.MALFORMED_BODY.message
+IDEMPOTENT = "Idempotency-Key: broken-body"
+BROKEN_BODIES = {
+    "Content-Length past the body": (["Content-Length: 500"], VALID, TRUNCATED),
+    "Content-Length past the body, idempotent": (
+        ["Content-Length: 500", IDEMPOTENT],
+        VALID,
+        TRUNCATED,
+    ),
+    "chunk size not hexadecimal": (
+        ["Transfer-Encoding: chunked"],
+        b"zz\r\n%s\r\n0\r\n\r\n" % VALID,
+        MALFORMED,
+    ),
+    "chunk size not hexadecimal, idempotent": (
+        ["Transfer-Encoding: chunked", IDEMPOTENT],
+        b"zz\r\n%s\r\n0\r\n\r\n" % VALID,
+        MALFORMED,
+    ),
+    "chunk size negative": (
+        ["Transfer-Encoding: chunked"],
+        b"-1d\r\n%s\r\n0\r\n\r\n" % VALID,
+        MALFORMED,
+    ),
+    "chunk without its CRLF": (
+        ["Transfer-Encoding: chunked"],
+        b"%x\r\n%sXX0\r\n\r\n" % (len(VALID), VALID),
+        MALFORMED,
+    ),
+    "body ended inside a chunk": (["Transfer-Encoding: chunked"], b"40\r\n%s" % VALID, MALFORMED),
+    "body ended before the last chunk": (
+        ["Transfer-Encoding: chunked"],
+        b"%x\r\n%s\r\n" % (len(VALID), VALID),
+        MALFORMED,
+    ),
+}
 
 
 def framed_request(case, api_key):
@@ -210,4 +252,25 @@ def test_a_body_sent_in_a_way_not_taken_is_refused_alike(
     finally:
         connection.close()
     assert (answered, json.loads(body)["status"]) == (status, status)
+    assert count_pets() == 0
+
+
+@pytest.mark.parametrize("case", BROKEN_BODIES)
+def test_a_broken_body_gets_the_catalogues_answer_on_every_server(
+    server_port, api_key, count_pets, case
+):
+    # The catalogue's words, not Werkzeug's ("The browser (or proxy) sent a request that this
+    # server could not understand.") nor gunicorn's, which quote what the client sent.
+    headers, body, message = BROKEN_BODIES[case]
+    lines = [f"Authorization: Bearer {api_key}", "Content-Type: application/json", *headers]
+    connection = Connection(server_port)
+    try:
+        connection.send_raw("HTTP/1.1", "POST", "/v1/pets", lines, body)
+        # The end of what the client sends: a body cut short stays so.
+        connection.sock.shutdown(socket.SHUT_WR)
+        answered, _, body = connection.read_response()
+    finally:
+        connection.close()
+    assert answered == 400
+    assert json.loads(body) == {"code": "bad_request", "message": message, "status": 400}
     assert count_pets() == 0
