@@ -39,7 +39,8 @@ PET_ID = {
     "in": "path",
     "name": "petId",
     "schema": {"type": "integer", "format": "int64", "minimum": 1, "maximum": INT64_MAX},
-    "description": "The animal's id. Anything else (text, zero, negative, too large) is 404.",
+    "description": "The animal's id, in ASCII digits without a leading zero. Anything else "
+    "(text, zero, negative, too large, leading zeros) is 404.",
 }
 
 
@@ -114,5 +115,13 @@ def get_pet(pet_id: str) -> Response:
 
 
 def is_pet_id(text: str) -> bool:
-    # Ids are positive int64 written in ASCII digits; anything else names no animal.
-    return text.isascii() and text.isdigit() and len(text) <= 19 and 0 < int(text) <= INT64_MAX
+    # Ids are positive int64 written in ASCII digits, as Location and the bodies write them:
+    # anything else names no animal. Not with a leading zero either: /v1/pets/01 would be a
+    # second URL of animal 1, cached apart and compared unequal by clients.
+    return (
+        text.isascii()
+        and text.isdigit()
+        and not text.startswith("0")
+        and len(text) <= 19
+        and int(text) <= INT64_MAX
+    )

@@ -110,6 +110,8 @@ CASES = {
     "petId with NUL": (get(b"/v1/pets/1%00"), {404}),
     "petId superscript": (get(b"/v1/pets/%C2%B9"), {404}),
     "petId past int64": (get(b"/v1/pets/9223372036854775808"), {404}),
+    # An animal the barrage created, by another spelling of its id: one URL per animal.
+    "petId with a leading zero": (get(b"/v1/pets/01"), {404}),
     # Werkzeug matches with leading slashes stripped: the same resource, nothing escapes.
     "double slash in front": (get(b"//v1/pets"), {200}),
     "double slash inside": (get(b"/v1//pets"), {404}),

@@ -109,11 +109,18 @@ def test_get_pet_missing_returns_404(client, auth, make_pet):
     [
         "abc",
         "0",
+        "00",
+        # One animal, one URL: /v1/pets/1 only, never its id with leading zeros.
+        "01",
+        "001",
+        "0" * 18 + "1",
         "-1",
         "1.0",
         "1e3",
         "+1",
         "%201",
+        "1%20",
+        "%2B1",
         "0x1",
         "\uff11",  # fullwidth one
         "٣",
