@@ -8,6 +8,7 @@ service never reads, so the line on stderr says so before anything is done.
 """
 
 import functools
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +17,11 @@ from typing import ParamSpec, TypeVar
 import click
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from flask import current_app, g
-from sqlalchemy import Connection
+from flask import Config, current_app, g
+from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import DBAPIError
 
+from animal_store.errors import is_login_refusal
 from animal_store.extensions import db
 from animal_store.settings import masked_url
 
@@ -118,3 +120,33 @@ def uses_database(
         return run
 
     return decorate
+
+
+def check_login(config: Config) -> tuple[int, str] | None:
+    """Connect once as the workers will (gunicorn's master, before any starts) and return what to
+    log at which level: a refused login at ERROR, which stops the boot, as a bad setting does;
+    a database that does not answer at WARNING, which does not: the service rides an outage out
+    and serves once the database is back. None when it answers, and on SQLite (a file, which
+    opening would create)."""
+    url = config["SQLALCHEMY_DATABASE_URI"]
+    if url.startswith("sqlite"):
+        return None
+    engine = create_engine(url, **config["SQLALCHEMY_ENGINE_OPTIONS"])
+    try:
+        engine.connect().close()
+    except DBAPIError as error:
+        reason = str(error.orig).strip().splitlines()[0]
+        if is_login_refusal(error):
+            return logging.ERROR, (
+                f"The database refuses the login of role {engine.url.username!r} to database "
+                f"{engine.url.database!r} on {engine.url.host}:{engine.url.port or 5432}: "
+                f"{reason}. Check DATABASE_URL's user and password ({masked_url(engine.url)}); "
+                "not starting."
+            )
+        return logging.WARNING, (
+            f"The database does not answer ({masked_url(engine.url)}): {reason}. Starting "
+            "anyway: requests are answered 503 until it does."
+        )
+    finally:
+        engine.dispose()
+    return None

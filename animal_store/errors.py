@@ -6,6 +6,7 @@ error responses, the error responses of the OpenAPI document, the error table of
 gunicorn's answers to requests it cannot parse and nginx's error bodies (`flask nginx-errors`).
 """
 
+import re
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 import orjson
-from flask import Flask, Response, current_app, request
+from flask import Flask, Response, current_app, g, request
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import (
     ClientDisconnected,
@@ -22,6 +23,7 @@ from werkzeug.exceptions import (
     MethodNotAllowed,
 )
 
+from animal_store.database_faults import log_fault, remember_full_disk
 from animal_store.extensions import db, settings
 from animal_store.schemas import ErrorSchema
 from animal_store.settings_schema import Settings
@@ -256,6 +258,22 @@ DATABASE_READ_ONLY = ErrorKind(
     "The database takes only reads (a standby, during a failover); nothing was changed.",
     ("Retry-After",),
 )
+DATABASE_LOGIN_REFUSED = ErrorKind(
+    503,
+    "service_unavailable",
+    "The database refuses the service's login; retry later.",
+    "The database refuses the service's role or password, a configuration error the log names "
+    "at ERROR; nothing was changed.",
+    ("Retry-After",),
+)
+DATABASE_FULL = ErrorKind(
+    503,
+    "service_unavailable",
+    "The database has no space left for writes; retry later.",
+    "The database's disk is full: reads are still served, writes wait for space to be freed; "
+    "nothing was changed.",
+    ("Retry-After",),
+)
 SERVICE_UNAVAILABLE = ErrorKind(
     503,
     "service_unavailable",
@@ -303,6 +321,29 @@ UNIQUE_VIOLATION = "23505"
 # demoted to one, a database with default_transaction_read_only.
 READ_ONLY_SQL_TRANSACTION = "25006"
 SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
+# SQLSTATE class 28, invalid authorization specification: a wrong password (28P01), or a role,
+# database or address that pg_hba.conf does not let in (28000). The configuration is wrong: it
+# does not pass as an outage does.
+LOGIN_REFUSED_CLASS = "28"
+# libpq gives a failed connection no SQLSTATE, only the server's message: these are class 28's
+# at login (PostgreSQL's and PgBouncer's), and libpq's own when it has no password to give. In
+# English, the server's lc_messages of C or en: in another language a refused login is told
+# as a database that cannot be reached, with the driver's message.
+LOGIN_REFUSALS = re.compile(
+    r"password authentication failed|no pg_hba\.conf entry|pg_hba\.conf rejects"
+    r"|is not permitted to log in|role \".*\" does not exist|no password supplied"
+)
+# A table or index that cannot grow: PostgreSQL's disk_full, SQLite's SQLITE_FULL.
+DISK_FULL = "53100"
+SQLITE_FULL = "SQLITE_FULL"
+# What each outage is called in the metric of refusals (metrics.py), in the log's
+# `databaseFault` and in /readyz.
+OUTAGE_REASONS = {
+    DATABASE_UNAVAILABLE: "unavailable",
+    DATABASE_READ_ONLY: "read_only",
+    DATABASE_LOGIN_REFUSED: "login_refused",
+    DATABASE_FULL: "storage_full",
+}
 
 # Headers of the underlying exception that still mean something on our error response.
 KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
@@ -427,23 +468,82 @@ def is_read_only_refusal(error: BaseException) -> bool:
     return getattr(getattr(error, "orig", None), "sqlstate", None) == READ_ONLY_SQL_TRANSACTION
 
 
-def handle_database_outage(error: BaseException) -> ErrorAnswer:
-    # One line, not a traceback per request while the database is away; the driver's message
-    # without the statement's parameters, which may hold what clients sent.
+def outage_kind(error: BaseException) -> ErrorKind:
+    """Tell what keeps the database from serving: a login it refuses, a full disk, a server that
+    takes only reads, or one that cannot be reached (the rest)."""
+    cause = getattr(error, "orig", None)
+    sqlstate = getattr(cause, "sqlstate", None) or ""
+    if sqlstate == READ_ONLY_SQL_TRANSACTION:
+        return DATABASE_READ_ONLY
+    if is_login_refusal(error):
+        return DATABASE_LOGIN_REFUSED
+    if sqlstate == DISK_FULL or getattr(cause, "sqlite_errorname", None) == SQLITE_FULL:
+        return DATABASE_FULL
+    return DATABASE_UNAVAILABLE
+
+
+def is_login_refusal(error: BaseException) -> bool:
+    """Tell a database that refuses the service's role or password (SQLSTATE class 28)."""
     cause = getattr(error, "orig", None) or error
-    current_app.logger.warning("Database unavailable: %s: %s", type(cause).__name__, cause)
+    sqlstate = getattr(cause, "sqlstate", None)
+    if sqlstate is not None:
+        return bool(sqlstate.startswith(LOGIN_REFUSED_CLASS))
+    # (No SQLite message has these words.)
+    return isinstance(error, sa_exc.OperationalError) and bool(LOGIN_REFUSALS.search(str(cause)))
+
+
+def handle_database_outage(error: BaseException) -> ErrorAnswer:
+    kind = outage_kind(error)
+    report_outage(kind, getattr(error, "orig", None) or error)
     try:
         # Whatever the request had written is undone, not half-committed.
         db.session.rollback()
     except sa_exc.SQLAlchemyError:
         db.session.close()
-    return handle_api_error(database_unavailable(read_only=is_read_only_refusal(error)))
+    return handle_api_error(database_refusal(kind))
 
 
-def database_unavailable(read_only: bool = False) -> APIError:
-    """The one answer for a database that cannot be reached or written, /readyz's included;
-    `read_only` when it answers but takes no writes."""
-    kind = DATABASE_READ_ONLY if read_only else DATABASE_UNAVAILABLE
+def report_outage(kind: ErrorKind, cause: BaseException) -> None:
+    """Count the refusal (metrics.py) and log it: a refused login or a full disk at ERROR once a
+    minute, as faults that need an operator; an outage, which passes, in one WARNING line per
+    request. The driver's message, never the statement's parameters, which may hold what clients
+    sent; nor the password, which no driver repeats."""
+    reason = OUTAGE_REASONS[kind]
+    g.database_refusal = reason
+    if kind is DATABASE_LOGIN_REFUSED:
+        url = db.engine.url
+        log_fault(
+            reason,
+            "The database refuses the login of role %r to database %r on %s:%s: %s. Check "
+            "DATABASE_URL's user and password",
+            url.username,
+            url.database,
+            url.host,
+            url.port or 5432,
+            first_line(cause),
+        )
+    elif kind is DATABASE_FULL:
+        remember_full_disk()
+        log_fault(
+            reason,
+            "The database has no space left for writes: %s: %s. Writes are refused until space "
+            "is freed; reads are served",
+            type(cause).__name__,
+            first_line(cause),
+        )
+    else:
+        current_app.logger.warning("Database unavailable: %s: %s", type(cause).__name__, cause)
+
+
+def first_line(cause: BaseException) -> str:
+    # psycopg adds hints and context on the lines after the server's message.
+    lines = str(cause).strip().splitlines()
+    return lines[0] if lines else type(cause).__name__
+
+
+def database_refusal(kind: ErrorKind = DATABASE_UNAVAILABLE) -> APIError:
+    """The one answer for a database that cannot serve, /readyz's included: `kind` is one of
+    OUTAGE_REASONS' (outage_kind())."""
     return kind(headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)})
 
 

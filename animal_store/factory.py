@@ -13,6 +13,7 @@ from animal_store import health, openapi, pets
 from animal_store.api import register_api
 from animal_store.body import refuse_unsupported_framing
 from animal_store.cli import register_commands
+from animal_store.database_faults import init_database_faults
 from animal_store.deadlines import init_deadlines
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.failover import init_failover
@@ -44,6 +45,7 @@ def create_app(
     app.json = OrjsonProvider(app)
     db.init_app(app)
     tune_sqlite_connections(app)
+    init_database_faults(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     start_deadline = init_deadlines(app)
     # A key or an answer a worker kept is used only from the database server it came from.

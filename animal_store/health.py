@@ -1,12 +1,19 @@
 """Health probes for load balancers and orchestrators, outside /v1 and without authentication."""
 
-from flask import Blueprint, current_app
+from flask import Blueprint, current_app, g
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store import rate_limits
+from animal_store.database_faults import disk_full
 from animal_store.deadlines import shorten_deadline
-from animal_store.errors import database_unavailable
+from animal_store.errors import (
+    DATABASE_READ_ONLY,
+    OUTAGE_REASONS,
+    database_refusal,
+    outage_kind,
+    report_outage,
+)
 from animal_store.extensions import db, settings
 
 bp = Blueprint("health", __name__)
@@ -22,26 +29,37 @@ def healthz() -> tuple[dict[str, str], int]:
 
 @bp.get("/readyz")
 def readyz() -> tuple[dict[str, str], int]:
-    """Answer 200 when the database answers and takes writes, else 503 within a bounded time.
+    """Answer 200 when the database answers and takes writes, else 503 within a bounded time,
+    its message saying why: the database is unavailable, takes no writes, or refuses the
+    service's login.
 
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
     "per process" (each worker counts apart), "storage unreachable" (each worker counts apart
     until Redis answers again: the status is then "degraded") or "off". None of them makes the
     instance unready: it serves either way, and Redis costs the answer its socket timeout (0.1 s)
     at most.
+
+    And what the database does: "ok", or "disk full" when this worker's last write found no space
+    left (the status is then "degraded"). A full disk does not make the instance unready either:
+    it still serves reads, and every instance shares the disk (or the PostgreSQL server), so a
+    load balancer that took them all out would stop the reads too.
     """
     try:
         takes_writes = check_database()
-    except SQLAlchemyError:
+    except SQLAlchemyError as error:
         db.session.rollback()
-        current_app.logger.warning("Readiness check failed: the database did not answer")
-        raise database_unavailable() from None
+        # Logged and counted as a request's refusal is: a refused login at ERROR, naming it.
+        kind = outage_kind(error)
+        report_outage(kind, getattr(error, "orig", None) or error)
+        raise database_refusal(kind) from None
     if not takes_writes:
         current_app.logger.warning("Readiness check failed: the database takes no writes")
-        raise database_unavailable(read_only=True)
+        g.database_refusal = OUTAGE_REASONS[DATABASE_READ_ONLY]
+        raise database_refusal(DATABASE_READ_ONLY)
     counting = rate_limits.counting(current_app)
-    status = "degraded" if counting == rate_limits.UNREACHABLE else "ok"
-    return {"status": status, "rateLimits": counting}, 200
+    database = "disk full" if disk_full() else "ok"
+    status = "ok" if database == "ok" and counting != rate_limits.UNREACHABLE else "degraded"
+    return {"status": status, "database": database, "rateLimits": counting}, 200
 
 
 def check_database() -> bool:

@@ -48,6 +48,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from animal_store.current import REQUEST, G
+from animal_store.errors import OUTAGE_REASONS
 from animal_store.extensions import db, settings
 from animal_store.version import VERSION
 
@@ -84,6 +85,12 @@ REPLAYS = Counter(
 AUTH_FAILURES = Counter(
     "animal_store_auth_failures",
     "Requests refused for their key: missing, invalid (wrong or revoked), expired, scope.",
+    ["reason"],
+)
+DATABASE_REFUSALS = Counter(
+    "animal_store_database_refusals",
+    "Requests answered 503 for the database, /readyz included, by reason: unavailable, "
+    "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
     ["reason"],
 )
 # One series per release a live worker runs: two while a reload replaces the workers, one after.
@@ -177,6 +184,7 @@ class RequestMetrics:
             operation = self.operations.get(served.endpoint, "unmatched")
         status = response.status_code
         reason = context.get("auth_failure")
+        refusal = context.get("database_refusal")
         # Only a creation is replayed: no other answer's headers are searched for the mark.
         replayed = served.method == "POST" and response.headers.get("Idempotent-Replayed") == "true"
         with self.lock:
@@ -190,6 +198,8 @@ class RequestMetrics:
                 self.counted[REPLAYS] += 1
             if reason:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
+            if refusal:
+                self.counted[DATABASE_REFUSALS.labels(refusal)] += 1
         self.write_if_due()
 
     def write_if_due(self) -> None:
@@ -247,6 +257,9 @@ def init_metrics(app: Flask) -> RequestMetrics:
     registered, which it labels by."""
     app.add_url_rule("/metrics", "metrics", serve_metrics, methods=["GET"])
     BUILD_INFO.labels(VERSION).set(1)
+    # Each reason's series from 0, so an alert's rate() sees the first refusal, not the second.
+    for reason in OUTAGE_REASONS.values():
+        DATABASE_REFUSALS.labels(reason)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
     return metrics
 

@@ -59,10 +59,12 @@ def load_settings(app: Flask, test_config: Mapping[str, Any] | None = None) -> N
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(app)
 
 
-def check_environment() -> None:
+def check_environment() -> Config:
     """Load and check the settings as create_app() does, without making the app (gunicorn's
-    master, before any worker starts)."""
-    load_settings(Flask(__package__, instance_relative_config=True))
+    master, before any worker starts), and return them."""
+    app = Flask(__package__, instance_relative_config=True)
+    load_settings(app)
+    return app.config
 
 
 def load_deployment_settings(app: Flask) -> Sources:

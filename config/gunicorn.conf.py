@@ -83,8 +83,8 @@ def on_starting(server: "Arbiter") -> None:
 
 
 def check_settings(server: "Arbiter") -> int:
-    """Import the release and check the settings as create_app() does; log what is wrong and
-    return 1, or return 0."""
+    """Import the release, check the settings as create_app() does and the database's login;
+    log what is wrong and return 1, or return 0."""
     log = cast(glogging.Logger, server.log)
     try:
         # Every module the workers import: a release that cannot be imported (a dependency the
@@ -94,10 +94,11 @@ def check_settings(server: "Arbiter") -> int:
         log.exception("The release cannot be imported")
         return 1
     else:
+        from animal_store.database import check_login
         from animal_store.settings import SettingsError, check_environment
 
         try:
-            check_environment()
+            config = check_environment()
         except SettingsError as error:
             # The arbiter has its log by the time it calls on_starting. A record a setting: one
             # JSON line each, as `flask` prints one line each.
@@ -107,6 +108,15 @@ def check_settings(server: "Arbiter") -> int:
         except BaseException:
             log.exception("The app cannot load its settings")
             return 1
+        # A password the database refuses is a wrong setting too, said once here rather than
+        # as a 503 for every request of workers that look ready. A database that does not
+        # answer is said and ridden out.
+        login = check_login(config)
+        if login is not None:
+            level, message = login
+            log.log(level, "%s", message)
+            if level == logging.ERROR:
+                return 1
     finally:
         # The check's process ends with os._exit, which flushes nothing.
         sys.stdout.flush()

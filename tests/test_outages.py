@@ -1,8 +1,9 @@
 """Database outages: PostgreSQL unreachable (refused or silent) answers 503 within a bounded
 time and recovers by itself; a SQLite file on a read-only or full filesystem answers 503 and
-keeps nothing half-written."""
+keeps nothing half-written, a full one saying so (the answer, the log, /readyz, the metric)."""
 
 import contextlib
+import logging
 import os
 import select
 import shutil
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 
 from animal_store.auth import issue_key
@@ -262,17 +264,57 @@ def test_sqlite_on_read_only_filesystem_answers_503(sqlite_on_tmpfs):
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
 
 
-def test_sqlite_on_full_disk_answers_503(sqlite_on_tmpfs):
+def refusals(client, reason):
+    """The app's count of 503s for the database with this reason, as /metrics says it (the
+    process's registry: counts of earlier tests' apps included)."""
+    client.get("/metrics")  # writes what the app counted
+    return REGISTRY.get_sample_value("animal_store_database_refusals_total", {"reason": reason})
+
+
+def test_sqlite_on_full_disk_says_so_and_serves_reads(sqlite_on_tmpfs, caplog):
     app, client, headers, mount_point, _, database_file = sqlite_on_tmpfs
+    counted = refusals(client, "storage_full")
+    # A key not used yet, whose first use is written (its last-used time) as it reads.
+    with app.app_context():
+        _, reader = issue_key("reader")
+        db.session.commit()
     filler = mount_point / "filler"
     with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
         while True:
             fill.write(b"\0" * 4096)  # until: no space left on device
     try:
-        statuses = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(3)]
-        for response in statuses:
-            assert_unavailable(response, 0)
+        with caplog.at_level(logging.WARNING):
+            creations = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(3)]
+            listed = client.get("/v1/pets", headers={"Authorization": f"Bearer {reader}"})
+            ready = client.get("/readyz")
+        assert refusals(client, "storage_full") == counted + 3
     finally:
         os.remove(filler)
+    for response in creations:
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] == "5"
+        assert response.get_json() == {
+            "code": "service_unavailable",
+            "message": "The database has no space left for writes; retry later.",
+            "status": 503,
+        }
+    assert listed.status_code == 200
+    assert [pet["name"] for pet in listed.get_json()] == ["Rex"]
+    # Ready, and saying what it met: every instance shares the disk, and reads are served.
+    assert ready.status_code == 200
+    assert ready.get_json()["status"] == "degraded"
+    assert ready.get_json()["database"] == "disk full"
+    # One line at ERROR for the three refusals, not a WARNING each.
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == app.logger.name]
+    assert len(said) == 1, said
+    assert said[0][0] == "ERROR"
+    assert said[0][1].startswith("The database has no space left for writes: ")
+    assert "database or disk is full" in said[0][1]
     assert_intact(app, database_file, 1)
+    # Space freed: the next creation commits, and /readyz says so at once.
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+    assert client.get("/readyz").get_json() | {"rateLimits": None} == {
+        "status": "ok",
+        "database": "ok",
+        "rateLimits": None,
+    }

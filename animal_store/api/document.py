@@ -35,6 +35,8 @@ LAYER_ERRORS = (
     errors.INTERNAL_ERROR,
     errors.DATABASE_UNAVAILABLE,
     errors.DATABASE_READ_ONLY,
+    errors.DATABASE_LOGIN_REFUSED,
+    errors.DATABASE_FULL,
 )
 # Answered by routing, before any view is chosen: the operation's own headers are not added.
 ROUTING_ERRORS = {405}
