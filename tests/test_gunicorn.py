@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gunicorn
 import pytest
 import requests
-from conftest import PROJECT_DIR, break_release, copy_release
+from conftest import PROJECT_DIR, break_release, copy_release, free_port
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
 from animal_store import gunicorn_errors
@@ -85,6 +85,18 @@ def test_command_line_workers_override_the_config(start_gunicorn):
             break
         time.sleep(0.1)
     assert len(workers) == 3
+
+
+def test_an_unreachable_database_does_not_stop_the_boot(start_gunicorn):
+    # Nothing listens there: the service starts, says so once, and answers 503 until it does.
+    server = start_gunicorn(
+        workers=1, database=f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"
+    )
+    assert requests.get(server.url + "/readyz", timeout=10).status_code == 503
+    said = [json.loads(line) for line in server.log().splitlines()]
+    assert next(r["message"] for r in said if r["level"] in ("WARNING", "ERROR")).startswith(
+        "The database does not answer (postgresql+psycopg://po"
+    )
 
 
 def test_production_start_without_database_url_fails_loudly(tmp_path):

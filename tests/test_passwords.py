@@ -16,10 +16,9 @@ import pytest
 import requests
 from conftest import PROJECT_DIR, Gunicorn, start_own_cluster
 from sqlalchemy.engine import make_url
-from test_gunicorn import GUNICORN
+from test_gunicorn import GUNICORN, refused_boot
 
 from animal_store import create_app
-from animal_store.auth import new_key
 from animal_store.database import describe_database
 from animal_store.extensions import db
 from animal_store.settings import SettingsError, masked_url
@@ -300,17 +299,73 @@ def test_a_wrong_password_is_refused_in_one_line_without_it(store, tmp_path, com
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_app_under_gunicorn_logs_a_wrong_password_without_it(store, tmp_path):
-    _, wrong = store
-    server = Gunicorn(wrong, workers=1, log_path=tmp_path / "gunicorn.log").wait_until_serving()
+# What the database says to each login it refuses: a wrong password, none, a role it does not
+# have (which it answers as a wrong password, so as not to tell which roles exist).
+REFUSED_LOGINS = {
+    "a wrong password": (LOCKED_USER, PASSWORD, "password authentication failed for user"),
+    "no password": (LOCKED_USER, None, "no password supplied"),
+    "an unknown role": ("shop_nobody", PASSWORD, "password authentication failed for user"),
+}
+
+
+@pytest.mark.parametrize(("user", "password", "said"), REFUSED_LOGINS.values(), ids=REFUSED_LOGINS)
+def test_a_refused_login_stops_gunicorn_before_any_worker_in_one_line(
+    store, tmp_path, user, password, said
+):
+    url, _ = store
+    where = make_url(url)
+    credentials = f"{user}:{password}" if password else user
+    refused = make_url(f"postgresql://{credentials}@127.0.0.1:{where.port}/{where.database}")
+    refusal = refused_boot(tmp_path, {"DATABASE_URL": refused.render_as_string(False)})
+    assert len(refusal) == 1
+    message = refusal[0]["message"]
+    assert message.startswith(
+        f"The database refuses the login of role '{user}' to database '{refused.database}' on "
+        f"127.0.0.1:{refused.port}: connection failed: "
+    )
+    assert said in message
+    assert message.endswith(
+        "Check DATABASE_URL's user and password (postgresql+psycopg://"
+        f"{user}{':***' if password else ''}@127.0.0.1:{refused.port}/{refused.database}); "
+        "not starting."
+    )
+    assert_masked(message, user=user)
+
+
+def test_a_login_refused_after_boot_is_said_by_readyz_and_logged_once(store, cluster, tmp_path):
+    url, _ = store
+    role = f"shop_rotated_{uuid.uuid4().hex[:8]}"
+    cluster.create_role(role, PASSWORD)
+    rotated = make_url(url).set(username=role).render_as_string(hide_password=False)
+    server = Gunicorn(rotated, workers=1, log_path=tmp_path / "gunicorn.log").wait_until_serving()
     try:
-        assert requests.get(server.url + "/readyz", timeout=10).status_code == 503
-        listed = requests.get(
-            server.url + "/v1/pets", headers={"Authorization": f"Bearer {new_key()}"}, timeout=10
+        assert requests.get(server.url + "/readyz", timeout=10).status_code == 200
+        # A password changed without the service's settings, its sessions ended (a restart of
+        # the database, a rotation).
+        cluster.sql(
+            f"ALTER ROLE {role} PASSWORD $secret${uuid.uuid4().hex}$secret$;\n"
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';"
         )
-        assert listed.status_code == 503
+        answers = [requests.get(server.url + "/readyz", timeout=10) for _ in range(3)]
+        scraped = requests.get(server.url + "/metrics", timeout=10).text
     finally:
         server.stop()
-    log = server.log()
-    assert f'password authentication failed for user \\"{LOCKED_USER}\\"' in log
-    assert_masked(log, user=LOCKED_USER)
+    for answer in answers:
+        assert answer.status_code == 503
+        assert answer.headers["Retry-After"] == "5"
+        assert answer.json() == {
+            "code": "service_unavailable",
+            "message": "The database refuses the service's login; retry later.",
+            "status": 503,
+        }
+    assert 'animal_store_database_refusals_total{reason="login_refused"} 3.0' in scraped
+    records = [json.loads(line) for line in server.log().splitlines()]
+    refusals = [record for record in records if record["level"] in ("WARNING", "ERROR")]
+    assert len(refusals) == 1, refusals
+    assert refusals[0]["level"] == "ERROR"
+    assert refusals[0]["databaseFault"] == "login_refused"
+    assert refusals[0]["message"].startswith(
+        f"The database refuses the login of role '{role}' to database "
+    )
+    assert f'password authentication failed for user "{role}"' in refusals[0]["message"]
+    assert_masked(server.log(), user=role)
