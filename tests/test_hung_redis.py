@@ -59,7 +59,7 @@ def test_a_hung_redis_never_holds_up_a_request_and_no_count_is_lost(make_app, ma
         own_redis.thaw()
 
     wait_for_counting(readyz, "shared", RECOVERY)
-    assert readyz() == {"status": "ok", "rateLimits": "shared"}
+    assert readyz() == {"status": "ok", "database": "ok", "rateLimits": "shared"}
     # The 20 hits counted alone reached the shared count: another worker sees all 21.
     other_worker.get("/v1/pets", headers=headers)
     synced(worker, other_worker)

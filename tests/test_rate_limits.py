@@ -266,12 +266,12 @@ def test_readyz_says_how_limits_are_counted(make_app, settings, said):
     response = make_app(**settings).test_client().get("/readyz")
     assert response.status_code == 200
     status = "degraded" if said == "storage unreachable" else "ok"
-    assert response.get_json() == {"status": status, "rateLimits": said}
+    assert response.get_json() == {"status": status, "database": "ok", "rateLimits": said}
 
 
 def test_readyz_says_shared_with_redis(make_app, redis_url):
     response = make_app(RATELIMIT_STORAGE_URI=redis_url).test_client().get("/readyz")
-    assert response.get_json() == {"status": "ok", "rateLimits": "shared"}
+    assert response.get_json() == {"status": "ok", "database": "ok", "rateLimits": "shared"}
 
 
 @pytest.mark.parametrize(("storage", "warned"), [("memory://", True), ("redis", False)])
