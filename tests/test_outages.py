@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
+from conftest import migrate_to_head, start_own_cluster
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 
@@ -203,11 +204,11 @@ def test_slow_statement_is_cancelled_as_503(make_app, database_url):
     assert time.monotonic() - started < 3
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A small tmpfs the test can fill or make read-only; root only (root ignores file modes)."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point, owner=None):
+    """Mount a small tmpfs (4 MiB) the test can fill or make read-only, owned by `owner` if
+    given; root only (root ignores file modes). Yields a function that remounts it."""
+    mount_point.mkdir(exist_ok=True)
     if shutil.which("mount") is None:
         pytest.skip("needs mount(8)")
     mounted = subprocess.run(
@@ -219,8 +220,28 @@ def tmpfs(tmp_path):
     def remount(mode):
         subprocess.run(["mount", "-o", f"remount,{mode}", str(mount_point)], check=True)
 
-    yield mount_point, remount
-    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+    try:
+        if owner:
+            shutil.chown(mount_point, owner, owner)
+        yield remount
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mount_point = tmp_path / "tmpfs"
+    with mounted_tmpfs(mount_point) as remount:
+        yield mount_point, remount
+
+
+def fill(mount_point):
+    """Fill the filesystem with a file of its own, until no space is left; return the file."""
+    filler = mount_point / "filler"
+    with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
+        while True:
+            fill.write(b"\0" * 4096)  # until: no space left on device
+    return filler
 
 
 @pytest.fixture
@@ -278,10 +299,7 @@ def test_sqlite_on_full_disk_says_so_and_serves_reads(sqlite_on_tmpfs, caplog):
     with app.app_context():
         _, reader = issue_key("reader")
         db.session.commit()
-    filler = mount_point / "filler"
-    with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
-        while True:
-            fill.write(b"\0" * 4096)  # until: no space left on device
+    filler = fill(mount_point)
     try:
         with caplog.at_level(logging.WARNING):
             creations = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(3)]
@@ -318,3 +336,50 @@ def test_sqlite_on_full_disk_says_so_and_serves_reads(sqlite_on_tmpfs, caplog):
         "database": "ok",
         "rateLimits": None,
     }
+
+
+def test_postgresql_on_full_disk_says_so_and_serves_reads(make_app, caplog):
+    # The animals' table on a tablespace of its own, on a filesystem the test fills: PostgreSQL
+    # refuses to extend it (SQLSTATE 53100), while its WAL, elsewhere, keeps the server up.
+    cluster = start_own_cluster()
+    try:
+        with mounted_tmpfs(
+            cluster.directory / "small", owner="postgres" if cluster.as_postgres else None
+        ):
+            cluster.sql(f"CREATE TABLESPACE small LOCATION '{cluster.directory / 'small'}'")
+            url = cluster.create_database("store")
+            migrate_to_head(url)
+            cluster.sql("ALTER TABLE pets SET TABLESPACE small", database="store")
+            app = make_app(DATABASE_URL=url)
+            with app.app_context():
+                _, key = issue_key("tester")
+                db.session.commit()
+            client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
+            filler = fill(cluster.directory / "small")
+            try:
+                with caplog.at_level(logging.WARNING):
+                    creations = [
+                        client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(2)
+                    ]
+                    listed = client.get("/v1/pets", headers=headers)
+                    ready = client.get("/readyz")
+            finally:
+                os.remove(filler)
+            for response in creations:
+                assert response.status_code == 503
+                assert response.get_json()["message"] == (
+                    "The database has no space left for writes; retry later."
+                )
+            assert listed.status_code == 200
+            assert ready.get_json()["database"] == "disk full"
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(said) == 1, said
+            assert said[0].startswith("The database has no space left for writes: DiskFull: ")
+            assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+            assert client.get("/readyz").get_json()["database"] == "ok"
+            with app.app_context():
+                db.engine.dispose()
+            cluster.sql("DROP DATABASE store WITH (FORCE)")
+            cluster.sql("DROP TABLESPACE small")
+    finally:
+        cluster.stop()
