@@ -21,7 +21,7 @@ from flask import Config, current_app, g
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import DBAPIError
 
-from animal_store.errors import is_login_refusal
+from animal_store.errors import first_line, is_login_refusal, login_refused
 from animal_store.extensions import db
 from animal_store.settings import masked_url
 
@@ -135,17 +135,13 @@ def check_login(config: Config) -> tuple[int, str] | None:
     try:
         engine.connect().close()
     except DBAPIError as error:
-        reason = str(error.orig).strip().splitlines()[0]
+        cause = error.orig or error
         if is_login_refusal(error):
-            return logging.ERROR, (
-                f"The database refuses the login of role {engine.url.username!r} to database "
-                f"{engine.url.database!r} on {engine.url.host}:{engine.url.port or 5432}: "
-                f"{reason}. Check DATABASE_URL's user and password ({masked_url(engine.url)}); "
-                "not starting."
-            )
+            refused = login_refused(engine.url, cause)
+            return logging.ERROR, f"{refused} ({masked_url(engine.url)}); not starting."
         return logging.WARNING, (
-            f"The database does not answer ({masked_url(engine.url)}): {reason}. Starting "
-            "anyway: requests are answered 503 until it does."
+            f"The database does not answer ({masked_url(engine.url)}): {first_line(cause)}. "
+            "Starting anyway: requests are answered 503 until it does."
         )
     finally:
         engine.dispose()

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import orjson
 from flask import Flask, Response, current_app, g, request
+from sqlalchemy import URL
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import (
     ClientDisconnected,
@@ -511,17 +512,7 @@ def report_outage(kind: ErrorKind, cause: BaseException) -> None:
     reason = OUTAGE_REASONS[kind]
     g.database_refusal = reason
     if kind is DATABASE_LOGIN_REFUSED:
-        url = db.engine.url
-        log_fault(
-            reason,
-            "The database refuses the login of role %r to database %r on %s:%s: %s. Check "
-            "DATABASE_URL's user and password",
-            url.username,
-            url.database,
-            url.host,
-            url.port or 5432,
-            first_line(cause),
-        )
+        log_fault(reason, "%s", login_refused(db.engine.url, cause))
     elif kind is DATABASE_FULL:
         remember_full_disk()
         log_fault(
@@ -533,6 +524,16 @@ def report_outage(kind: ErrorKind, cause: BaseException) -> None:
         )
     else:
         current_app.logger.warning("Database unavailable: %s: %s", type(cause).__name__, cause)
+
+
+def login_refused(url: URL, cause: BaseException) -> str:
+    """Say which login the database refuses, and why, in the driver's words: the role, the
+    database and the host, never the password."""
+    return (
+        f"The database refuses the login of role {url.username!r} to database {url.database!r} "
+        f"on {url.host}:{url.port or 5432}: {first_line(cause)}. Check DATABASE_URL's user and "
+        "password"
+    )
 
 
 def first_line(cause: BaseException) -> str:
