@@ -157,13 +157,6 @@ IDEMPOTENCY_KEY_RACING = ErrorKind(
     "Requests with this `Idempotency-Key` keep taking it from each other.",
     ("Retry-After",),
 )
-IDEMPOTENCY_CLAIM_LOST = ErrorKind(
-    409,
-    "idempotency_key_in_use",
-    "This request outlived its claim on the Idempotency-Key; retry to get the answer.",
-    "The request ran past the key's lease and another took the key over.",
-    ("Retry-After",),
-)
 ALREADY_EXISTS = ErrorKind(
     409,
     "already_exists",

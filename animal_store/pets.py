@@ -10,8 +10,12 @@ from animal_store import errors, store
 from animal_store.answers import Kept, answers, json_response
 from animal_store.api import Blueprint, Header
 from animal_store.conditional import conditional
-from animal_store.extensions import db
-from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
+from animal_store.idempotency import (
+    IDEMPOTENT_REPLAYED,
+    creation_transaction,
+    idempotent,
+    remember,
+)
 from animal_store.keyset import settled_prefix
 from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, ListQuery, ListQuerySchema, NewPetSchema, PetSchema
@@ -86,7 +90,7 @@ def list_pets(query: ListQuery) -> Sequence[PetRow] | Response:
 @idempotent
 def create_pet(pet: NewPet) -> Response:
     """Add an animal and return it with its new id."""
-    with db.engine.begin() as connection:
+    with creation_transaction() as connection:
         pet_id = store.add_pet(connection, pet)
         location = url_for(".get_pet", pet_id=pet_id, _external=True)
         body = pet_schema.dump({**pet, "id": pet_id})

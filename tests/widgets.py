@@ -18,7 +18,12 @@ from animal_store import errors, keyset, store
 from animal_store.answers import json_response
 from animal_store.api import Blueprint, Header
 from animal_store.extensions import db
-from animal_store.idempotency import IDEMPOTENT_REPLAYED, idempotent, remember
+from animal_store.idempotency import (
+    IDEMPOTENT_REPLAYED,
+    creation_transaction,
+    idempotent,
+    remember,
+)
 from animal_store.models import Int64Id
 from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, Cursor, Int64, QueryInteger
@@ -130,7 +135,7 @@ def list_widgets(query):
 @idempotent
 def create_widget(widget):
     """Add a widget; its name is unique."""
-    with db.engine.begin() as connection:
+    with creation_transaction() as connection:
         widget["id"] = connection.execute(INSERT_WIDGET, widget).scalar_one()
         location = url_for(".get_widget", widget_id=widget["id"], _external=True)
         response = make_response(widget_schema.dump(widget), 201, {"Location": location})

@@ -7,32 +7,44 @@ on another path, or from another API key, is another key: it never replays this 
 
 The header's grammar is in header.py, the claims on keys in claims.py.
 
-1. Claim: INSERT a row for (API key, method and path, Idempotency-Key). The unique constraint lets
-   exactly one of several racing requests in; the others find its row and are answered from it.
-2. Run the view, which stores its answer (remember()) in the same transaction as the animal it
-   creates, so a crash leaves either both or neither.
-3. On any error the claim is released (the row deleted), so a corrected retry with the same key
-   works: only successful creations are remembered.
+1. Claim: INSERT a row for (API key, method and path, Idempotency-Key) as the first statement of
+   the creation's transaction. The unique constraint lets exactly one of several racing requests
+   in; the others wait for its transaction a moment, then are answered from its row (or 409).
+2. Run the view, which writes in that same transaction (creation_transaction()) and stores its
+   answer there (remember()), so the claim, the animal and the answer commit together, once.
+3. On any error the transaction rolls back, the claim with it, so a corrected retry with the same
+   key works: only successful creations are remembered.
 
-A claim whose request has not finished within IDEMPOTENCY_LEASE seconds belongs to a worker
-that died (gunicorn kills a request after 30 s); the next request with the key takes it over.
+A claim thus lasts exactly as long as its holder's transaction: a worker or an instance killed, a
+connection lost or a failover leaves nothing behind, and the retry creates at once (claims.py).
 """
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
 import orjson
+import sqlalchemy as sa
 from flask import Response, g, request
 from sqlalchemy import Connection
 
 from animal_store import errors
 from animal_store.api import Header, declare_errors, declare_parameter
 from animal_store.extensions import db
-from animal_store.idempotency.claims import RETRY_AFTER, Claim, claim, maybe_purge_expired, release
+from animal_store.idempotency.claims import RECORDS, Claim, claim, maybe_purge_expired
 from animal_store.idempotency.header import KEY_PARAMETER, idempotency_key
-from animal_store.models import IdempotencyRecord
+
+STORE_ANSWER = (
+    sa.update(RECORDS)
+    .where(RECORDS.c.id == sa.bindparam("record_id"))
+    .values(
+        response_status=sa.bindparam("response_status"),
+        response_body=sa.bindparam("response_body"),
+        response_location=sa.bindparam("response_location"),
+    )
+)
 
 IDEMPOTENT_REPLAYED = Header(
     "Idempotent-Replayed",
@@ -71,11 +83,11 @@ def request_fingerprint() -> bytes:
 def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
     """Run a creating view at most once per Idempotency-Key; replay its answer to retries.
 
-    With the header, the request first claims the key in a transaction of its own; one that finds
-    the key taken gets the stored answer, or 409 while the first still runs, and the view does not
-    run. The view stores its answer with remember() in its own transaction, so that the animal
-    and the answer commit together; if the view fails, the claim is released. Without the header
-    the view just runs.
+    With the header, the request claims the key as the first statement of a transaction, which
+    the view continues and commits in its creation_transaction() block: the claim, the animal
+    and the answer commit together or not at all. A request that finds the key taken gets the
+    stored answer, or 409 while the first still runs, and the view does not run. Without the
+    header the view just runs, and its block is a transaction of its own.
     """
 
     @wraps(view)
@@ -84,15 +96,14 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
         if key is None:
             return view(*args, **kwargs)
         maybe_purge_expired()
-        claimed = claim(g.api_key.id, request_target(), key, request_fingerprint())
-        if not isinstance(claimed, Claim):
-            return claimed
-        g.idempotency_claim = claimed
-        try:
+        # Closed at the end, whatever happened: a transaction the view did not commit (it
+        # failed, or never wrote) rolls back, the claim with it.
+        with db.engine.connect() as connection:
+            claimed = claim(connection, g.api_key.id, request_target(), key, request_fingerprint())
+            if not isinstance(claimed, Claim):
+                return claimed
+            g.idempotency_claim = claimed
             return view(*args, **kwargs)
-        except BaseException:
-            release(claimed)
-            raise
 
     declare_parameter(once, KEY_PARAMETER)
     return declare_errors(
@@ -100,26 +111,36 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
         errors.VALIDATION_ERROR,
         errors.IDEMPOTENCY_KEY_IN_USE,
         errors.IDEMPOTENCY_KEY_RACING,
-        errors.IDEMPOTENCY_CLAIM_LOST,
         errors.IDEMPOTENCY_KEY_REUSED,
     )
+
+
+@contextmanager
+def creation_transaction() -> Iterator[Connection]:
+    """Give a creating view its transaction, committed when the block ends and rolled back if it
+    raises: the one that holds the request's Idempotency-Key, or one of its own without a key."""
+    held: Claim | None = g.get("idempotency_claim")
+    if held is None:
+        with db.engine.begin() as connection:
+            yield connection
+        return
+    yield held.connection
+    held.connection.commit()
 
 
 def remember(connection: Connection, response: Response) -> None:
     """Store the answer for retries in the view's transaction, on its connection, when the
     request holds a key."""
-    held = g.get("idempotency_claim")
+    held: Claim | None = g.get("idempotency_claim")
     if held is None:
         return
-    # The claim check makes a request that lost its claim (it outlived the lease) create nothing.
-    stored = connection.execute(
-        db.update(IdempotencyRecord)
-        .where(IdempotencyRecord.id == held.record_id, IdempotencyRecord.claim == held.token)
-        .values(
-            response_status=response.status_code,
-            response_body=response.get_data(),
-            response_location=response.headers.get("Location"),
-        )
+    # Ours alone until we commit: a claim in an open transaction cannot be taken over.
+    connection.execute(
+        STORE_ANSWER,
+        {
+            "record_id": held.record_id,
+            "response_status": response.status_code,
+            "response_body": response.get_data(),
+            "response_location": response.headers.get("Location"),
+        },
     )
-    if stored.rowcount != 1:
-        raise errors.IDEMPOTENCY_CLAIM_LOST(headers=RETRY_AFTER)
