@@ -65,8 +65,9 @@ OPENAPI_SERVERS = [
 
 # Idempotency-Keys (POST /v1/pets) are remembered this many seconds (24 hours), then purged.
 IDEMPOTENCY_TTL = 24 * 60 * 60
-# Seconds after which a request still holding its key counts as dead and the key is taken over.
-# Longer than gunicorn's 30 s timeout, so the holder has been killed by then.
+# Seconds after which a record claimed without an answer by a release before this one (which
+# committed claims on their own) counts as dead and is taken over: longer than gunicorn's 30 s
+# timeout, so its holder has been killed by then. Claims made now end with their transaction.
 IDEMPOTENCY_LEASE = 60
 # Share of requests with a key that also delete the expired keys (flask idempotency purge too).
 IDEMPOTENCY_PURGE_CHANCE = 0.01

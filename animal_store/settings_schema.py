@@ -291,7 +291,8 @@ class Settings:
     )
     IDEMPOTENCY_LEASE: float = setting(
         seconds(above=0),
-        "Seconds before a key whose request never finished can be taken over (a dead worker's)",
+        "Seconds before a key claimed without an answer by a release before this one can be "
+        "taken over (today's claims end with their request's transaction)",
     )
     IDEMPOTENCY_PURGE_CHANCE: float = setting(
         share(), "Share of keyed requests that also purge expired keys"
