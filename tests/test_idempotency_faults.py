@@ -354,3 +354,26 @@ def test_retries_while_the_holder_is_alive_wait_then_replay_and_never_create(
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.json() == created.json()
     assert count_pets() == 1
+
+
+def test_a_keyed_creation_waits_for_a_locked_table_and_leaves_its_connection_as_it_was(
+    app, auth, postgres_url
+):
+    """The claim's short lock wait is its own: the creation's INSERT still waits for a table
+    locked a moment (a migration's lock, say), and nothing the claim set outlives its
+    transaction on the pooled connections."""
+    held = LockedPets(make_url(postgres_url))
+    client = app.test_client()
+    headers = auth | {"Idempotency-Key": "order-1"}
+    first = in_background(lambda: client.post("/v1/pets", json=SLOWPOKE, headers=headers))
+    held.wait_until_held()
+    time.sleep(0.5)  # five times the claim's wait
+    held.release()
+    assert first().status_code == 201
+    with app.app_context(), db.engine.connect() as one, db.engine.connect() as other:
+        for connection in (one, other):
+            shown = [
+                connection.execute(sa.text(f"SHOW {name}")).scalar_one()
+                for name in ("lock_timeout", "client_connection_check_interval")
+            ]
+            assert shown == ["0", "0"]
