@@ -7,7 +7,7 @@ transaction or lose it, and with it the claim, which was never committed and nev
 failed view rolls it back with everything else. Nothing is left for a retry to wait out.
 
 A retry while the holder's transaction is open finds its uncommitted unique entry. On PostgreSQL
-its INSERT waits for that transaction: at most CLAIM_WAIT (lock_timeout, for that statement
+its INSERT waits for that transaction: at most CLAIM_WAIT_MS (lock_timeout, for that statement
 only), then it is answered 409 with Retry-After. When the holder commits first, the INSERT fails
 on the unique constraint and the retry replays the answer; when the holder's transaction ends
 otherwise, the INSERT goes through and the retry creates. On SQLite every writer waits for the
