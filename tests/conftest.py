@@ -23,7 +23,6 @@ from animal_store.extensions import db
 from animal_store.models import Pet
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
-TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
 
 def migrate_to_head(database_url):
@@ -216,19 +215,34 @@ def slow_insert(app):
             connection.execute(sa.text(statement))
 
 
+@pytest.fixture(scope="session")
+def suite_redis(tmp_path_factory):
+    """A redis-server of the suite's own on a free loopback port, started once per run for the
+    tests that count in Redis without freezing it, stopped by PID at the end. Never the
+    machine's Redis: the suite neither reads, writes nor flushes a server it did not start."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (Debian: redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def redis_url():
-    """The test Redis database, emptied; the test skips when no Redis answers."""
+def redis_url(suite_redis):
+    """The suite's own Redis, emptied: each test's keys start from id 1, so counts left by an
+    earlier test would count against it."""
     import redis
 
-    connection = redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1)
-    try:
-        connection.flushdb()
-    except redis.ConnectionError as error:
-        pytest.skip(f"no Redis at {TEST_REDIS_URL} ({error}); set TEST_REDIS_URL")
-    finally:
-        connection.close()
-    return TEST_REDIS_URL
+    with redis.Redis.from_url(suite_redis.url) as connection:
+        connection.flushall()
+    return suite_redis.url
+
+
+@pytest.fixture
+def production_env(redis_url):
+    """The environment of a server on config/production.py, as deployed but for one setting:
+    rate limits count in the suite's own Redis, not in the machine's (redis://127.0.0.1:6379/0)."""
+    return {"ANIMAL_STORE_ENV": "production", "ANIMAL_STORE_RATELIMIT_STORAGE_URI": redis_url}
 
 
 @pytest.fixture
@@ -260,6 +274,14 @@ class Gunicorn:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         environment = {**os.environ, "DATABASE_URL": database_url, **(env or {})}
+        if environment.get("ANIMAL_STORE_ENV") and (
+            "ANIMAL_STORE_RATELIMIT_STORAGE_URI" not in environment
+        ):
+            # A deployment's settings file counts in the machine's Redis; a test must not.
+            raise ValueError(
+                "a deployment's settings count rate limits in the machine's Redis: "
+                "start it with the production_env fixture or a RATELIMIT_STORAGE_URI of the test's"
+            )
         self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [

@@ -35,11 +35,11 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (D
 
 
 @pytest.fixture
-def start_gunicorn(start_gunicorn):
+def start_gunicorn(start_gunicorn, production_env):
     """gunicorn as docs/deploy.rst runs it behind nginx: with the production settings file."""
 
     def start(workers=2, env=None, wait=True, **where):
-        env = {"ANIMAL_STORE_ENV": "production", **(env or {})}
+        env = {**production_env, **(env or {})}
         return start_gunicorn(workers, env, wait, **where)
 
     return start

@@ -38,10 +38,12 @@ def test_forwarded_headers_are_ignored_without_a_trusted_proxy(start_gunicorn, a
 
 
 @pytest.mark.parametrize("environment", ["production", None])
-def test_forwarded_headers_count_from_a_trusted_proxy(start_gunicorn, api_key, environment):
+def test_forwarded_headers_count_from_a_trusted_proxy(
+    start_gunicorn, api_key, environment, request
+):
     # The production settings name nginx on this machine; an operator may name a proxy too.
     env = (
-        {"ANIMAL_STORE_ENV": environment}
+        request.getfixturevalue("production_env")
         if environment
         else {"ANIMAL_STORE_TRUSTED_PROXIES": '["127.0.0.1"]'}
     )

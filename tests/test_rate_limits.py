@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 import requests
 from conftest import free_port
 
@@ -143,6 +144,30 @@ def test_redis_storage_is_shared_between_apps(limited, make_key, redis_url):
         statuses.append(client.get("/v1/pets", headers=headers).status_code)
         synced(first, second)
     assert statuses == [200, 200, 200, 429]
+
+
+def test_the_suite_counts_in_a_redis_server_it_started(redis_url, suite_redis):
+    # Never the machine's Redis at 127.0.0.1:6379, which the suite must not read, count in or
+    # flush: the server behind the tests' URL is the process the suite started.
+    with redis.Redis.from_url(redis_url) as connection:
+        assert connection.info("server")["process_id"] == suite_redis.process.pid
+    assert redis_url == f"redis://127.0.0.1:{suite_redis.port}/0" != "redis://127.0.0.1:6379/0"
+
+
+def test_production_settings_count_in_the_suites_redis(
+    start_gunicorn, production_env, redis_url, make_key
+):
+    server = start_gunicorn(workers=1, env=production_env)
+    response = requests.get(server.url + "/v1/pets", headers=bearer(make_key()), timeout=10)
+    assert response.status_code == 200
+    assert requests.get(server.url + "/readyz", timeout=10).json()["rateLimits"] == "shared"
+    with redis.Redis.from_url(redis_url) as connection:
+        assert connection.dbsize() == 1  # the key's window, synced by its first request
+
+
+def test_a_server_on_deployment_settings_without_a_redis_of_the_tests_is_refused(start_gunicorn):
+    with pytest.raises(ValueError, match="count rate limits in the machine's Redis"):
+        start_gunicorn(env={"ANIMAL_STORE_ENV": "production"})
 
 
 def statuses_of_parallel_requests(url, headers, count):

@@ -31,7 +31,7 @@ EXEC_RELOAD = re.search(
 ).group(1)
 # Within this many seconds of the reload every worker runs the new release (the bound).
 RELOAD_WITHIN = 10
-PRODUCTION = {"ANIMAL_STORE_ENV": "production", "ANIMAL_STORE_RATE_LIMIT": "1000000 per minute"}
+UNLIMITED = {"ANIMAL_STORE_RATE_LIMIT": "1000000 per minute"}
 
 
 def reload_as_the_unit_does(master_pid):
@@ -177,10 +177,10 @@ def ready_lines(gunicorn, version):
 
 
 def test_a_reload_puts_the_release_on_disk_into_service(
-    tmp_path, database_url, make_key, start_gunicorn, start_nginx, certificate
+    tmp_path, database_url, make_key, start_gunicorn, start_nginx, certificate, production_env
 ):
     release = copy_release(tmp_path / "release")
-    gunicorn = start_gunicorn(workers=2, env=PRODUCTION, directory=release)
+    gunicorn = start_gunicorn(workers=2, env=production_env | UNLIMITED, directory=release)
     nginx = start_nginx([gunicorn.url.removeprefix("http://")])
     key, scrapes = make_key(), []
     assert versions_serving(scrape(gunicorn)) == {VERSION}
@@ -284,7 +284,7 @@ class Deployment:
 
 
 def test_the_previous_release_is_upgraded_in_place_under_load(
-    tmp_path, own_database, start_gunicorn, start_nginx, certificate
+    tmp_path, own_database, start_gunicorn, start_nginx, certificate, production_env
 ):
     if PREVIOUS_RELEASE is None:
         raise AssertionError("CHANGELOG.rst names no commit for 1.0.0")
@@ -300,7 +300,7 @@ def test_the_previous_release_is_upgraded_in_place_under_load(
     key = deployment.flask("keys", "create", "upgrade").split()[-1]
     gunicorn = start_gunicorn(
         workers=2,
-        env=PRODUCTION,
+        env=production_env | UNLIMITED,
         database=own_database,
         directory=deployment.directory,
         python=deployment.python,
