@@ -302,9 +302,10 @@ class Gunicorn:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_until_serving(self, timeout=20):
+    def wait_until_serving(self, timeout=60):
         """Return once every worker has loaded the app and one of them answers: a test that
-        spreads requests over the workers must not find most of them still booting."""
+        spreads requests over the workers must not find most of them still booting. (A loaded
+        2-core machine took 16 s to import the app; one that never serves fails all the same.)"""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

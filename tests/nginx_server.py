@@ -32,7 +32,7 @@ def stop_process(process, timeout):
             process.wait()
 
 
-def wait_for_port(process, port, name, log, timeout=10):
+def wait_for_port(process, port, name, log, timeout=30):
     """Return once `process` accepts connections on the loopback `port`; raise, with its log,
     if it exits or does not listen within `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -228,7 +228,7 @@ class Nginx:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_until_serving(self, timeout=10):
+    def wait_until_serving(self, timeout=30):
         wait_for_port(self.process, self.https_port, "nginx", self.error_log, timeout)
         return self
 

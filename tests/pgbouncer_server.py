@@ -93,7 +93,7 @@ class PgBouncer:
         config.write_text(re.sub(r"host=\S+ port=\d+ ", line, config.read_text(), count=1))
         os.kill(self.process.pid, signal.SIGHUP)
 
-    def wait_until_serving(self, timeout=10):
+    def wait_until_serving(self, timeout=30):
         wait_for_port(self.process, self.port, "pgbouncer", self.log, timeout)
         return self
 

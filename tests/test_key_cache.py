@@ -12,6 +12,11 @@ from animal_store.auth import CachedKey, KeyCache, issue_key, key_cache
 from animal_store.extensions import db
 from animal_store.models import ApiKey
 
+# Cache times long beside what a loaded machine adds between two requests, so that "still
+# cached" holds there too; an entry kept past its time is caught within SLACK.
+KEY_CACHE_SECONDS = 2
+SLACK = 1.0
+
 
 @pytest.fixture
 def statements(app):
@@ -57,7 +62,7 @@ def test_cached_key_is_checked_without_a_query(app, client, statements):
     assert key_queries(statements) == []
 
 
-@pytest.mark.parametrize("miss_seconds", [0, 0.5])
+@pytest.mark.parametrize("miss_seconds", [0, 2])
 def test_a_key_stored_after_it_was_tried_works_within_the_miss_cache_time(make_app, miss_seconds):
     # A worker remembers a key its look-up did not find for KEY_MISS_CACHE_SECONDS: a key tried
     # before it is stored (none is, in practice: keys are random) works once that has passed.
@@ -75,12 +80,12 @@ def test_a_key_stored_after_it_was_tried_works_within_the_miss_cache_time(make_a
     if miss_seconds:
         assert client.get("/v1/pets", headers=headers).status_code == 401
     while client.get("/v1/pets", headers=headers).status_code != 200:
-        assert time.monotonic() - stored < miss_seconds + 0.5, "still refused after the bound"
+        assert time.monotonic() - stored < miss_seconds + SLACK, "still refused after the bound"
         time.sleep(0.05)
 
 
 def test_revoked_key_is_refused_within_the_cache_time(make_app):
-    app = make_app(KEY_CACHE_SECONDS=1)
+    app = make_app(KEY_CACHE_SECONDS=KEY_CACHE_SECONDS)
     client = app.test_client()
     headers = new_key(app)
     assert client.get("/v1/pets", headers=headers).status_code == 200
@@ -89,7 +94,7 @@ def test_revoked_key_is_refused_within_the_cache_time(make_app):
     # The documented delay: the worker that cached the key still lets it in for a moment.
     assert client.get("/v1/pets", headers=headers).status_code == 200
     while client.get("/v1/pets", headers=headers).status_code == 200:
-        assert time.monotonic() - revoked_at < 1.5, "revoked key still works after the TTL"
+        assert time.monotonic() - revoked_at < KEY_CACHE_SECONDS + SLACK, "works after the TTL"
         time.sleep(0.05)
     assert client.get("/v1/pets", headers=headers).status_code == 401
 

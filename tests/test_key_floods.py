@@ -139,8 +139,10 @@ def test_a_flood_while_redis_hangs_is_refused_per_worker_without_waiting(
     assert BUDGET <= statuses.count(401) <= 2 * BUDGET
     assert statuses.count(429) == FLOOD - statuses.count(401)
     assert {response.status_code for response, _ in valid} == {200}
-    # None waits on Redis beyond the breaker's socket timeout (0.1 s), with this machine's slack.
-    assert max(seconds for _, seconds in flood + valid) < 1.0
+    # None is held up by Redis: each waits at most the breaker's socket timeout (0.1 s), where
+    # redis-py's own retries (off) would wait seconds; queued 9 deep on 2 workers of a loaded
+    # machine, an answer still comes within 2 s.
+    assert max(seconds for _, seconds in flood + valid) < 2.0
     assert readyz["rateLimits"] == "storage unreachable"
     assert "WORKER TIMEOUT" not in server.log()
 

@@ -154,7 +154,7 @@ def test_idle_workers_write_what_they_counted_and_their_idle_time(
         requests.get(server.url + "/v1/pets", headers=auth, timeout=10)
     sent = time.monotonic()
     lists = []
-    while time.monotonic() - sent < 4:
+    while time.monotonic() - sent < 10:
         lists.append(
             count(
                 written(tmp_path), "animal_store_requests_total", operation="listPets", status="200"
@@ -167,7 +167,9 @@ def test_idle_workers_write_what_they_counted_and_their_idle_time(
     # worker, the workers woke and wrote them (gunicorn.conf.py's notify hook).
     assert lists[0] < 40
     assert lists[-1] == 40, lists
-    assert time.monotonic() - sent < 2.5
+    # Within two seconds of the last request (the hook wakes an idle worker every second), with
+    # a loaded machine's slack: well under the 15 s an idle worker would otherwise wait.
+    assert time.monotonic() - sent < 5
 
     # Idle, each worker counts the time it waits for a connection, and the time it runs: two
     # workers, two seconds a second each (give or take what each leaves unwritten at either end).
