@@ -10,8 +10,9 @@ import ssl
 import subprocess
 import tempfile
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h2.config
@@ -21,15 +22,18 @@ import psycopg
 import pytest
 import requests
 import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL
-from nginx_server import NGINX
+from conftest import TEST_DATABASE_URL, Gunicorn
+from flask import Flask
+from nginx_server import NGINX, Nginx
 from pgbouncer_server import PGBOUNCER, PgBouncer
 from psycopg.rows import dict_row
 from requests.structures import CaseInsensitiveDict
 from test_connections import FRAMING_REFUSALS, VALID, Connection, framed_request
 
-from animal_store import default_settings, errors
+from animal_store import create_app, default_settings, errors
+from animal_store.auth import issue_key
 from animal_store.extensions import db
+from animal_store.models import Pet
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
 
@@ -58,14 +62,84 @@ def address(gunicorn):
     return gunicorn.url.removeprefix("http://")
 
 
-def request_lines(gunicorn):
-    """The app's per-request JSON lines from a gunicorn's stdout, but the fixture's probes."""
-    lines = [json.loads(line) for line in gunicorn.log().splitlines() if line.startswith("{")]
+def request_lines(gunicorn, since=0):
+    """The app's per-request JSON lines from a gunicorn's stdout, but the fixture's probes; with
+    `since`, only those after that many characters of it."""
+    output = gunicorn.log()[since:]
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     return [
         line
         for line in lines
         if line["logger"] == "animal_store.request" and line["path"] != "/healthz"
     ]
+
+
+@dataclass
+class Edge:
+    """gunicorn as deployed (one worker) behind nginx on the shipped config, on a database of
+    their own, shared by the tests that only send requests and read what came back: a pair of
+    their own for each of them (gunicorn's boot, mostly) was most of this module's time. A test
+    takes it through the `edge` fixture, which marks where the test's own lines begin in
+    gunicorn's log; the app on the same database issues the test's key and counts what is
+    stored."""
+
+    gunicorn: Gunicorn
+    nginx: Nginx
+    app: Flask
+    started_at: int = 0
+    key: str = field(default="")
+
+    def begin(self):
+        """Start a test: a key of its own, and its request lines from here on."""
+        with self.app.app_context():
+            # Issued now, not once: on PostgreSQL the tests between empty the shared database.
+            # Names are unique: one of its own each.
+            _, self.key = issue_key(f"tester-{uuid.uuid4().hex}")
+            db.session.commit()
+        self.started_at = len(self.gunicorn.log())
+        return self
+
+    @property
+    def auth(self):
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def request_lines(self):
+        """The app's request lines since the test began."""
+        return request_lines(self.gunicorn, since=self.started_at)
+
+    def count_pets(self):
+        with self.app.app_context():
+            return db.session.scalar(sa.select(sa.func.count()).select_from(Pet))
+
+
+@pytest.fixture(scope="module")
+def shared_edge(migrated_database, certificate, tmp_path_factory):
+    """One Edge for the module, on a copy of the migrated SQLite template, or on PostgreSQL on
+    the test database (each test's own key is issued there when it begins)."""
+    directory = tmp_path_factory.mktemp("edge")
+    database = TEST_DATABASE_URL
+    if not database:
+        shutil.copyfile(migrated_database, directory / "store.sqlite3")
+        database = f"sqlite:///{directory / 'store.sqlite3'}"
+    env = {"ANIMAL_STORE_ENV": "production"}
+    gunicorn = Gunicorn(database, workers=1, env=env, log_path=directory / "gunicorn.log")
+    app = create_app({"TESTING": True, "DATABASE_URL": database})
+    try:
+        gunicorn.wait_until_serving()
+        nginx = Nginx(directory / "nginx", [address(gunicorn)], *certificate).wait_until_serving()
+    except BaseException:
+        gunicorn.stop()
+        raise
+    yield Edge(gunicorn, nginx, app)
+    nginx.stop()
+    gunicorn.stop()
+    with app.app_context():
+        db.engine.dispose()
+
+
+@pytest.fixture
+def edge(shared_edge):
+    return shared_edge.begin()
 
 
 def test_create_list_and_fetch_through_nginx(start_gunicorn, start_nginx, session, auth):
@@ -87,32 +161,29 @@ def test_create_list_and_fetch_through_nginx(start_gunicorn, start_nginx, sessio
     assert session.get(created[0].headers["Location"], headers=auth).json() == first
 
 
-def test_missing_key_through_nginx_is_the_apps_401(start_gunicorn, start_nginx, session):
-    nginx = start_nginx([address(start_gunicorn(workers=1))])
-    response = session.get(f"{nginx.url}/v1/pets")
+def test_missing_key_through_nginx_is_the_apps_401(edge, session):
+    response = session.get(f"{edge.nginx.url}/v1/pets")
     assert response.status_code == 401
     assert response.headers["Content-Type"] == "application/json"
     assert response.headers["WWW-Authenticate"] == 'Bearer realm="animal-store"'
     assert response.json()["code"] == "unauthorized"
 
 
-def test_urls_use_the_public_scheme_and_host(start_gunicorn, start_nginx, session, auth):
-    nginx = start_nginx([address(start_gunicorn(workers=1))])
-    public = {**auth, "Host": "api.animal-store.example"}
-    public_url = f"https://api.animal-store.example:{nginx.https_port}"
+def test_urls_use_the_public_scheme_and_host(edge, session):
+    public = {**edge.auth, "Host": "api.animal-store.example"}
+    public_url = f"https://api.animal-store.example:{edge.nginx.https_port}"
     for n in range(2):
         created = session.post(
-            f"{nginx.url}/v1/pets", json={"name": "Rex", "categoryId": n}, headers=public
+            f"{edge.nginx.url}/v1/pets", json={"name": "Rex", "categoryId": n}, headers=public
         )
         assert created.headers["Location"] == f"{public_url}/v1/pets/{created.json()['id']}"
-    page = session.get(f"{nginx.url}/v1/pets?limit=1", headers=public)
+    page = session.get(f"{edge.nginx.url}/v1/pets?limit=1", headers=public)
     assert page.links["next"]["url"].startswith(f"{public_url}/v1/pets?")
 
 
-def test_plain_http_redirects_to_https(start_gunicorn, start_nginx):
-    nginx = start_nginx([address(start_gunicorn(workers=1))])
+def test_plain_http_redirects_to_https(edge):
     response = requests.post(
-        f"{nginx.http_url}/v1/pets?limit=1", json={}, allow_redirects=False, timeout=10
+        f"{edge.nginx.http_url}/v1/pets?limit=1", json={}, allow_redirects=False, timeout=10
     )
     assert response.status_code == 308
     assert response.headers["Location"] == "https://127.0.0.1/v1/pets?limit=1"
@@ -123,13 +194,11 @@ def test_plain_http_redirects_to_https(start_gunicorn, start_nginx):
     assert re.fullmatch(r"[0-9a-f]{32}", response.headers["X-Request-ID"])
 
 
-def test_client_address_is_nginxs_peer_not_a_spoofed_header(
-    start_gunicorn, start_nginx, session, auth
-):
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([address(gunicorn)])
-    session.get(f"{nginx.url}/v1/pets", headers={**auth, "X-Forwarded-For": "203.0.113.9"})
-    [line] = request_lines(gunicorn)
+def test_client_address_is_nginxs_peer_not_a_spoofed_header(edge, session):
+    session.get(
+        f"{edge.nginx.url}/v1/pets", headers={**edge.auth, "X-Forwarded-For": "203.0.113.9"}
+    )
+    [line] = edge.request_lines()
     assert line["remote_addr"] == "127.0.0.1"
 
 
@@ -265,19 +334,15 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize(("request_kwargs", "status"), REFUSALS.values(), ids=REFUSALS.keys())
-def test_refusals_at_the_edge_are_the_apps_error_objects(
-    start_gunicorn, start_nginx, http, auth, request_kwargs, status
-):
+def test_refusals_at_the_edge_are_the_apps_error_objects(edge, http, request_kwargs, status):
     """Over HTTP/1.1 and HTTP/2 alike: nginx's (and gunicorn's) refusals carry the catalogue's
     code and message, nosniff and a request ID; the app never sees the request."""
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([address(gunicorn)])
     kwargs = dict(request_kwargs)
-    headers = {**auth, "Content-Type": "application/json", **kwargs.pop("headers", {})}
-    url = nginx.url + kwargs.pop("url", "/v1/pets")
+    headers = {**edge.auth, "Content-Type": "application/json", **kwargs.pop("headers", {})}
+    url = edge.nginx.url + kwargs.pop("url", "/v1/pets")
     response = http.request(url=url, headers=headers, **kwargs)
     assert_error_object(response, status, http.protocol)
-    assert request_lines(gunicorn) == []
+    assert edge.request_lines() == []
 
 
 def h2_request(port, tls_context, method, path, headers, body):
@@ -321,14 +386,14 @@ FRAMING_CASES = [
 
 @pytest.mark.parametrize(("protocol", "case", "status"), FRAMING_CASES)
 def test_a_body_sent_in_a_way_not_taken_is_refused_as_gunicorn_does(
-    start_gunicorn, start_nginx, certificate, api_key, count_pets, protocol, case, status
+    edge, certificate, protocol, case, status
 ):
     """The same status and error object as gunicorn and the development server answer
     (tests/test_connections.py), from nginx itself: the app never sees the request."""
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([address(gunicorn)])
+    nginx = edge.nginx
+    stored = edge.count_pets()
     context = ssl.create_default_context(cafile=str(certificate[0]))
-    version, lines, body = framed_request(case, api_key)
+    version, lines, body = framed_request(case, edge.key)
     if protocol == "HTTP/2":
         # HTTP/2 frames the body itself: the header is sent as it is, the body bare.
         fields = [line.split(": ", 1) for line in lines if not line.startswith("Content-Length")]
@@ -346,21 +411,19 @@ def test_a_body_sent_in_a_way_not_taken_is_refused_as_gunicorn_does(
     assert headers["content-type"] == "application/json"
     assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
     assert json.loads(content) == catalogue_body(status)
-    assert request_lines(gunicorn) == []
-    assert count_pets() == 0
+    assert edge.request_lines() == []
+    assert edge.count_pets() == stored
 
 
-def test_the_longest_uri_gunicorn_takes_reaches_the_app(start_gunicorn, start_nginx, http, auth):
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([address(gunicorn)])
-    url = nginx.url + "/v1/pets?q=" + "x" * (LONGEST_GET_URI - 11)
-    response = http.get(url, headers=auth)
+def test_the_longest_uri_gunicorn_takes_reaches_the_app(edge, http):
+    url = edge.nginx.url + "/v1/pets?q=" + "x" * (LONGEST_GET_URI - 11)
+    response = http.get(url, headers=edge.auth)
     assert response.status_code == 200  # an unknown query parameter is ignored
-    assert [line["status"] for line in request_lines(gunicorn)] == [200]
+    assert [line["status"] for line in edge.request_lines()] == [200]
 
 
-def test_request_nginx_cannot_parse_is_a_json_400(start_gunicorn, start_nginx, certificate):
-    nginx = start_nginx([address(start_gunicorn(workers=1))])
+def test_request_nginx_cannot_parse_is_a_json_400(edge, certificate):
+    nginx = edge.nginx
     context = ssl.create_default_context(cafile=str(certificate[0]))
     with (
         socket.create_connection(("127.0.0.1", nginx.https_port), timeout=10) as raw,
@@ -380,11 +443,12 @@ def test_request_nginx_cannot_parse_is_a_json_400(start_gunicorn, start_nginx, c
     }
 
 
-def test_largest_body_nginx_allows_reaches_the_app(start_gunicorn, start_nginx, session, auth):
-    nginx = start_nginx([address(start_gunicorn(workers=1))])
+def test_largest_body_nginx_allows_reaches_the_app(edge, session):
     body = json.dumps({"name": "Rex", "categoryId": 1}).ljust(64 * 1024).encode()
     response = session.post(
-        f"{nginx.url}/v1/pets", data=body, headers={**auth, "Content-Type": "application/json"}
+        f"{edge.nginx.url}/v1/pets",
+        data=body,
+        headers={**edge.auth, "Content-Type": "application/json"},
     )
     assert response.status_code == 201
 
