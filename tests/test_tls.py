@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from conftest import TEST_DATABASE_URL
 from nginx_server import NGINX, SHIPPED_CONFIG, free_port
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
@@ -310,6 +311,11 @@ def test_tls12_sessions_get_no_ticket_and_resume_from_the_cache(start_nginx, tls
 
 
 @pytest.mark.skipif(TESTSSL is None, reason="testssl.sh is not installed (Debian: testssl.sh)")
+@pytest.mark.skipif(
+    bool(TEST_DATABASE_URL),
+    reason="runs in the pass without TEST_DATABASE_URL: the scan is of nginx's TLS, the same on "
+    "either database, and takes the better part of a minute",
+)
 def test_testssl_finds_nothing_low_or_worse(start_gunicorn, start_nginx, tmp_path):
     """testssl.sh on nginx from the shipped file, the app behind it: no finding of severity LOW
     or worse but the exempt ones (EXEMPT, the certificate's), no version in the Server banner and
