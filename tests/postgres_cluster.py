@@ -14,6 +14,7 @@ Never the machine's shared PostgreSQL: only the processes this cluster's postmas
 ever signalled. Standard library only: benchmarks/hung_database.py runs one too.
 """
 
+import atexit
 import contextlib
 import glob
 import os
@@ -44,6 +45,13 @@ def find_bindir() -> Path | None:
 
 
 BINDIR = find_bindir()
+
+# initdb's data directory and superuser password for each authentication (passwords or not),
+# made once per process and copied for each cluster after: a copy takes a fraction of initdb's
+# time, and the suite starts a cluster in dozens of tests. Each copy is a cluster of its own
+# (its settings, databases and roles); they share initdb's system identifier and, with passwords,
+# the superuser's password.
+TEMPLATES: dict[bool, tuple[Path, str | None]] = {}
 
 
 class PostgresCluster:
@@ -114,13 +122,27 @@ class PostgresCluster:
         self.url = f"postgresql+psycopg://postgres{password}@127.0.0.1:{self.port}"
 
     def initdb(self, passwords: bool) -> None:
+        """Copy the template data directory for `passwords`, made by initdb the first time."""
+        if passwords not in TEMPLATES:
+            directory = Path(tempfile.mkdtemp(prefix="animal-postgres-template-"))
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            if self.as_postgres:
+                user = pwd.getpwnam("postgres")
+                os.chown(directory, user.pw_uid, user.pw_gid)
+            TEMPLATES[passwords] = (directory / "data", self.run_initdb(directory, passwords))
+        template, self.superuser_password = TEMPLATES[passwords]
+        # -a keeps the owner (postgres, when root) and the mode PostgreSQL insists on.
+        subprocess.run(["cp", "-a", str(template), str(self.data)], check=True)
+
+    def run_initdb(self, directory: Path, passwords: bool) -> str | None:
+        """initdb into `directory`/data; return the superuser's password, if any."""
         authentication = ["--auth", "trust"]
-        self.superuser_password = None
+        superuser_password = None
         if passwords:
             # initdb wants the superuser's password when connections must give one.
-            self.superuser_password = secrets.token_urlsafe(16)
-            password_file = self.directory / "superuser-password"
-            password_file.write_text(self.superuser_password + "\n")
+            superuser_password = secrets.token_urlsafe(16)
+            password_file = directory / "superuser-password"
+            password_file.write_text(superuser_password + "\n")
             if self.as_postgres:
                 shutil.chown(password_file, "postgres", "postgres")
             authentication = [
@@ -134,7 +156,7 @@ class PostgresCluster:
         self.run(
             "initdb",
             "--pgdata",
-            str(self.data),
+            str(directory / "data"),
             "--username",
             "postgres",
             *authentication,
@@ -144,6 +166,7 @@ class PostgresCluster:
             "C",
             "--no-sync",
         )
+        return superuser_password
 
     def base_backup(self, primary: "PostgresCluster") -> None:
         """Copy the running `primary` with pg_basebackup over TCP, as from another host; -R
