@@ -30,8 +30,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter as Counts
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from flask import Flask, Response, current_app
@@ -45,11 +44,11 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from animal_store.current import REQUEST, G
 from animal_store.errors import OUTAGE_REASONS
 from animal_store.extensions import db, settings
+from animal_store.master_metrics import InstanceProcesses
 from animal_store.version import VERSION
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -82,6 +81,7 @@ RATE_LIMITED = Counter("animal_store_rate_limited", "Requests refused with 429."
 REPLAYS = Counter(
     "animal_store_idempotent_replays", "Creations answered from an earlier Idempotency-Key."
 )
+AUTH_FAILURE_REASONS = ("missing", "invalid", "expired", "scope")  # auth.py's g.auth_failure
 AUTH_FAILURES = Counter(
     "animal_store_auth_failures",
     "Requests refused for their key: missing, invalid (wrong or revoked), expired, scope.",
@@ -260,6 +260,8 @@ def init_metrics(app: Flask) -> RequestMetrics:
     # Each reason's series from 0, so an alert's rate() sees the first refusal, not the second.
     for reason in OUTAGE_REASONS.values():
         DATABASE_REFUSALS.labels(reason)
+    for reason in AUTH_FAILURE_REASONS:
+        AUTH_FAILURES.labels(reason)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
     return metrics
 
@@ -277,45 +279,7 @@ def serve_metrics() -> Response:
     if MULTIPROCESS:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        registry.register(InstanceProcesses())
+        registry.register(InstanceProcesses(os.getppid()))
     else:
         registry = REGISTRY
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
-
-
-class InstanceProcesses:
-    """process_* figures of the whole gunicorn instance, its master and workers summed, which
-    prometheus_client's own process collector cannot give in multiprocess mode."""
-
-    def collect(self) -> Iterator[Metric]:
-        master = os.getppid()
-        pids = [master, *children(master)]
-        cpu = memory = fds = 0.0
-        page_size, ticks = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-                cpu += (int(stat[11]) + int(stat[12])) / ticks
-                memory += int(stat[21]) * page_size
-                fds += len(os.listdir(f"/proc/{pid}/fd"))
-            except OSError:
-                continue  # a worker that just exited
-        yield CounterMetricFamily(
-            "process_cpu_seconds", "User and system CPU of the instance's processes.", value=cpu
-        )
-        yield GaugeMetricFamily(
-            "process_resident_memory_bytes", "Resident memory of the instance's processes.", memory
-        )
-        yield GaugeMetricFamily("process_open_fds", "Open file descriptors of the instance.", fds)
-        yield GaugeMetricFamily("animal_store_processes", "gunicorn master and workers.", len(pids))
-
-
-def children(parent: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == parent:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return found

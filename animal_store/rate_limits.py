@@ -365,6 +365,10 @@ def count_request(limiter: RateLimiter, budget: str, limit: str | None) -> Windo
 
 def init_rate_limits(app: Flask) -> RateLimiter:
     """Make the app's limiter: one per app, as each app has its own storage."""
+    # Each reason's series from 0, so a rate() over it reads 0 before the first refusal rather
+    # than nothing, and sees that first one.
+    for reason in ("rate_limit", "auth_failures"):
+        REFUSALS.labels(reason)
     limiter = app.extensions["animal_store_rate_limits"] = RateLimiter(settings(app), app.logger)
     return limiter
 

@@ -21,8 +21,8 @@ from animal_store.extensions import settings
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 ENVIRONMENT_PREFIX = "ANIMAL_STORE_"
 # ANIMAL_STORE_* variables that are not settings: the deployment's name, read below, and
-# gunicorn's address, read by config/gunicorn.conf.py.
-NOT_SETTINGS = {"ENV", "BIND"}
+# gunicorn's address and its metrics' address, read and checked by config/gunicorn.conf.py.
+NOT_SETTINGS = {"ENV", "BIND", "METRICS_BIND"}
 # Where each setting given comes from: a file (or create_app's argument), or an environment
 # variable and its text.
 Sources = dict[str, tuple[str, str | None]]

@@ -5,7 +5,10 @@ import importlib.metadata
 import json
 import logging
 import os
+import select
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +69,14 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[TEMPORARY_METRICS_DIR] = made
 
 
+# The instance's metrics on a listener of their own, which no worker's load can block, served by
+# a small process the master starts beside its workers (animal_store/master_metrics.py). Unset:
+# only the app's /metrics on the app's port, which waits behind the clients when every worker is
+# busy. The process's PID is kept in the environment, as this file is read again on HUP.
+METRICS_BIND = "ANIMAL_STORE_METRICS_BIND"
+METRICS_PROCESS = "GUNICORN_METRICS_PROCESS"
+
+
 def on_starting(server: "Arbiter") -> None:
     # A bad setting stops the boot here, in one line, before any worker starts: in the workers
     # it would be a traceback in each, and gunicorn would halt only once one of them had failed.
@@ -123,7 +134,78 @@ def check_settings(server: "Arbiter") -> int:
     return 0
 
 
+def when_ready(server: "Arbiter") -> None:
+    # The listening sockets exist and no worker yet: a metrics listener that cannot start stops
+    # the boot, in one line, as a bad setting does.
+    failure = start_metrics_process(server)
+    if failure:
+        cast(glogging.Logger, server.log).error("%s", failure)
+        remove_temporary_metrics_dir()
+        sys.exit(1)
+
+
+def start_metrics_process(server: "Arbiter") -> str | None:
+    """Start the metrics' process if ANIMAL_STORE_METRICS_BIND names its address; return why it
+    could not start, or None."""
+    bind = os.environ.get(METRICS_BIND)
+    if not bind:
+        return None
+    listeners = [listener.fileno() for listener in server.LISTENERS]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "animal_store.master_metrics",
+            f"--bind={bind}",
+            f"--master={os.getpid()}",
+            *(f"--listener={fd}" for fd in listeners),
+        ],
+        pass_fds=listeners,
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    with process.stdout:
+        # Its first line: ready, or why not. Importing prometheus_client takes a moment, more on
+        # a loaded machine.
+        answered = select.select([process.stdout], [], [], 60)[0]
+        line = process.stdout.readline().decode().strip() if answered else ""
+    if line == "ready":
+        os.environ[METRICS_PROCESS] = str(process.pid)
+        cast(glogging.Logger, server.log).info("Serving the metrics on http://%s/metrics", bind)
+        return None
+    stop_process(process.pid)
+    return line or f"The metrics' process did not start on {bind} within 60 s."
+
+
+def stop_metrics_process() -> None:
+    pid = os.environ.pop(METRICS_PROCESS, None)
+    if pid:
+        stop_process(int(pid))
+
+
+def stop_process(pid: int) -> None:
+    """Stop a child of the master and reap it, so that its port is free when this returns."""
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, stop)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                return  # gunicorn reaped it: it had ended
+            time.sleep(0.01)
+
+
 def on_reload(server: "Arbiter") -> None:
+    # The metrics' process runs the release on disk, as the new workers do.
+    stop_metrics_process()
+    failure = start_metrics_process(server)
+    if failure:
+        cast(glogging.Logger, server.log).error("%s", failure)
     # A master started by release 1.0.0 imported the app in process (its on_starting checked the
     # settings there), and the workers forked from it would keep that code. It forgets the app,
     # and prometheus_client, whose registry holds the app's metrics: re-registered by the new
@@ -145,6 +227,7 @@ def on_reload(server: "Arbiter") -> None:
 
 
 def on_exit(server: "Arbiter") -> None:
+    stop_metrics_process()
     remove_temporary_metrics_dir()
 
 

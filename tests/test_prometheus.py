@@ -169,12 +169,15 @@ def store(start_gunicorn, own_redis, runner, api_key):
     requests straight (not through nginx, which hides /metrics)."""
     # Synced with Redis on every request (RATELIMIT_SYNC_INTERVAL 0): counted exactly, and each
     # worker's first request after the freeze tries Redis (tests/test_metrics.py does the same).
+    # Scraped as deployed: on the listener of the instance's metrics, not on the app's port.
+    metrics_address = f"127.0.0.1:{free_port()}"
     env = {
         "ANIMAL_STORE_RATELIMIT_STORAGE_URI": own_redis.url,
         "ANIMAL_STORE_RATELIMIT_SYNC_INTERVAL": "0",
+        "ANIMAL_STORE_METRICS_BIND": metrics_address,
     }
     server = start_gunicorn(workers=2, env=env)
-    server.address = server.url.removeprefix("http://")
+    server.address = metrics_address
     server.redis = own_redis
     server.auth = {"Authorization": f"Bearer {api_key}"}
     created = runner.invoke(args=["keys", "create", "limited", "--rate-limit", "1/hour"])
