@@ -113,7 +113,7 @@ class Edge:
 
 
 @pytest.fixture(scope="module")
-def shared_edge(migrated_database, certificate, tmp_path_factory):
+def shared_edge(migrated_database, certificate, tmp_path_factory, suite_redis):
     """One Edge for the module, on a copy of the migrated SQLite template, or on PostgreSQL on
     the test database (each test's own key is issued there when it begins)."""
     directory = tmp_path_factory.mktemp("edge")
@@ -121,7 +121,8 @@ def shared_edge(migrated_database, certificate, tmp_path_factory):
     if not database:
         shutil.copyfile(migrated_database, directory / "store.sqlite3")
         database = f"sqlite:///{directory / 'store.sqlite3'}"
-    env = {"ANIMAL_STORE_ENV": "production"}
+    # As deployed, but counting rate limits in the suite's Redis (conftest.production_env).
+    env = {"ANIMAL_STORE_ENV": "production", "ANIMAL_STORE_RATELIMIT_STORAGE_URI": suite_redis.url}
     gunicorn = Gunicorn(database, workers=1, env=env, log_path=directory / "gunicorn.log")
     app = create_app({"TESTING": True, "DATABASE_URL": database})
     try:
