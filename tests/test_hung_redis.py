@@ -65,6 +65,9 @@ def test_a_hung_redis_never_holds_up_a_request_and_no_count_is_lost(make_app, ma
 
     own_redis.freeze()
     try:
+        # A worker asks Redis at most every sync interval: past it, the first request asks. (20
+        # quick requests right after /readyz's could otherwise all fall within one.)
+        time.sleep(2 * default_settings.RATELIMIT_SYNC_INTERVAL)
         answers = [timed_get(worker.get, "/v1/pets", headers=headers) for _ in range(20)]
         # Only a request that asked the hung Redis waits out the socket timeout; it waits once
         # (no retries of redis-py's own) and opens the breaker: no request asks again before
