@@ -44,6 +44,11 @@ worker_class = "sync"
 # fork, so no connection (or SQLite file handle) is ever shared between processes. Preloading
 # would save a little memory and boot time, and would need the engine disposed after each fork.
 preload_app = False
+# Connections that wait for a free worker in the listening socket's queue, beyond which the kernel
+# drops them (nginx then waits out proxy_connect_timeout and answers 504): room for a surge of
+# 4,096 clients and more. The kernel caps it at net.core.somaxconn (4096 by default), which
+# docs/deploy.rst raises; animal_store_listen_queue_backlog shows what it granted.
+backlog = 8192
 # A worker silent for this long is killed and replaced (a request stuck past every DB timeout).
 timeout = 30
 # On SIGTERM, workers stop accepting, finish the requests in flight for up to this long, then exit.

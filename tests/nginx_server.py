@@ -82,22 +82,8 @@ NGINX = shutil.which("nginx") or next(
 )
 SHIPPED_CONFIG = PROJECT_DIR / "config" / "nginx.conf"
 
-# Stands in for Debian's /etc/nginx/nginx.conf, which includes the shipped file in its http block.
-MAIN_CONFIG = """\
-{user}
-worker_processes {worker_processes};
-pid {directory}/nginx.pid;
-error_log {directory}/error.log info;
-events {{ worker_connections 1024; }}
-http {{
-    client_body_temp_path {directory}/client_body;
-    proxy_temp_path {directory}/proxy;
-    fastcgi_temp_path {directory}/fastcgi;
-    uwsgi_temp_path {directory}/uwsgi;
-    scgi_temp_path {directory}/scgi;
-    include {directory}/animal-store.conf;
-}}
-"""
+# Installed as /etc/nginx/nginx.conf (docs/deploy.rst): its main and events settings.
+SHIPPED_MAIN_CONFIG = PROJECT_DIR / "config" / "nginx-main.conf"
 
 
 def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
@@ -107,6 +93,38 @@ def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
         name = source.relative_to(PROJECT_DIR)
         raise AssertionError(f"{name}: {pattern!r} found {found} times, not {count}")
     return result
+
+
+def render_main(directory, worker_processes, user) -> str:
+    """Return config/nginx-main.conf as the test runs it: its own pid, logs and temporary files in
+    `directory`, the site's file from there, no other site, `worker_processes` workers, and
+    `user` (root's workers default to nobody)."""
+    config = SHIPPED_MAIN_CONFIG.read_text()
+    replacements = [
+        (r"^user www-data;", user),
+        (r"^worker_processes auto;", f"worker_processes {worker_processes};"),
+        (r"^pid /run/nginx\.pid;", f"pid {directory}/nginx.pid;"),
+        (r"^error_log /var/log/nginx/error\.log;", f"error_log {directory}/error.log info;"),
+        (r"^\taccess_log /var/log/nginx/access\.log;", f"\taccess_log {directory}/main.log;"),
+        (r"^\tinclude /etc/nginx/conf\.d/\*\.conf;\n", ""),
+        (
+            r"^\tinclude /etc/nginx/sites-enabled/\*;",
+            "".join(
+                f"\t{kind}_temp_path {directory}/{path};\n"
+                for kind, path in [
+                    ("client_body", "client_body"),
+                    ("proxy", "proxy"),
+                    ("fastcgi", "fastcgi"),
+                    ("uwsgi", "uwsgi"),
+                    ("scgi", "scgi"),
+                ]
+            )
+            + f"\tinclude {directory}/animal-store.conf;",
+        ),
+    ]
+    for pattern, replacement in replacements:
+        config = substitute(pattern, replacement, config, 1, SHIPPED_MAIN_CONFIG)
+    return config
 
 
 def render(
@@ -207,9 +225,7 @@ class Nginx:
         # Worker processes started by root default to user nobody, who cannot enter pytest's
         # private tmp directory to buffer request bodies.
         user = "user root;" if os.geteuid() == 0 else ""
-        (directory / "nginx.conf").write_text(
-            MAIN_CONFIG.format(user=user, directory=directory, worker_processes=worker_processes)
-        )
+        (directory / "nginx.conf").write_text(render_main(directory, worker_processes, user))
         self.url = f"https://127.0.0.1:{self.https_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.process = subprocess.Popen(
