@@ -32,18 +32,15 @@ class DatabaseFaults:
     # The development server answers on threads.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-
-def init_database_faults(app: Flask) -> None:
-    """Keep the app's record, and forget a full disk as soon as a write commits again."""
-    faults = app.extensions[EXTENSION] = DatabaseFaults()
-    with app.app_context():
-        engine = db.engine
-
-    @event.listens_for(engine, "commit")
-    def writes_again(_connection: Connection) -> None:
+    def writes_again(self, _connection: Connection) -> None:
         # Also after a transaction that read only: it does not say the disk has room, but the
         # next refused write says it is full again, and a creation that commits does say so.
-        faults.full_since = None
+        self.full_since = None
+
+
+def init_database_faults(app: Flask) -> None:
+    """Keep the app's record of the database's faults."""
+    app.extensions[EXTENSION] = DatabaseFaults()
 
 
 def database_faults(app: Flask) -> DatabaseFaults:
@@ -76,9 +73,15 @@ def log_fault(reason: str, message: str, *args: object) -> None:
 
 
 def remember_full_disk() -> None:
+    """Remember that writes find the disk full, until a transaction commits again."""
     faults = database_faults(current_app)
     if faults.full_since is None:
         faults.full_since = time.monotonic()
+    # Listened for from the first full disk on, not from the start: a commit listener costs
+    # every statement on the engine a dispatch, 7 % of a creation's CPU (benchmarks/in_process.py).
+    engine = db.engine
+    if not event.contains(engine, "commit", faults.writes_again):
+        event.listen(engine, "commit", faults.writes_again)
 
 
 def disk_full() -> bool:
