@@ -315,9 +315,17 @@ class Server:
                 fields = stat.read_text().rpartition(")")[2].split()
             except OSError:
                 continue  # the process ended while we looked
-            if int(fields[1]) == self.process.pid:
+            if int(fields[1]) == self.process.pid and not self.metrics_process(stat.parent):
                 pids.append(int(stat.parent.name))
         return sorted(pids)
+
+    @staticmethod
+    def metrics_process(proc: Path) -> bool:
+        """Whether a child of the master is its metrics listener (ANIMAL_STORE_METRICS_BIND)."""
+        try:
+            return b"animal_store.master_metrics" in (proc / "cmdline").read_bytes()
+        except OSError:
+            return False
 
     def cpu_seconds(self) -> float:
         """User plus system CPU time of the master and its workers so far."""

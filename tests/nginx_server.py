@@ -90,16 +90,17 @@ def substitute(pattern, replacement, text, count, source=SHIPPED_CONFIG):
     """Replace a setting of the shipped file, failing loudly if the file no longer has it."""
     result, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
     if found != count:
-        name = source.relative_to(PROJECT_DIR)
+        name = source.relative_to(PROJECT_DIR) if source.is_relative_to(PROJECT_DIR) else source
         raise AssertionError(f"{name}: {pattern!r} found {found} times, not {count}")
     return result
 
 
-def render_main(directory, worker_processes, user) -> str:
-    """Return config/nginx-main.conf as the test runs it: its own pid, logs and temporary files in
-    `directory`, the site's file from there, no other site, `worker_processes` workers, and
-    `user` (root's workers default to nobody)."""
-    config = SHIPPED_MAIN_CONFIG.read_text()
+def render_main(directory, worker_processes, user, source=SHIPPED_MAIN_CONFIG) -> str:
+    """Return config/nginx-main.conf (or `source`, Debian's own for a benchmark's baseline) as the
+    test runs it: its own pid, logs and temporary files in `directory`, the site's file from
+    there, no other site, `worker_processes` workers, and `user` (root's workers default to
+    nobody)."""
+    config = source.read_text()
     replacements = [
         (r"^user www-data;", user),
         (r"^worker_processes auto;", f"worker_processes {worker_processes};"),
@@ -123,7 +124,7 @@ def render_main(directory, worker_processes, user) -> str:
         ),
     ]
     for pattern, replacement in replacements:
-        config = substitute(pattern, replacement, config, 1, SHIPPED_MAIN_CONFIG)
+        config = substitute(pattern, replacement, config, 1, source)
     return config
 
 
@@ -208,6 +209,7 @@ class Nginx:
         worker_processes=1,
         limit_conn=None,
         uncapped=(),
+        main_config=SHIPPED_MAIN_CONFIG,
     ):
         self.directory = directory
         directory.mkdir(parents=True)
@@ -225,7 +227,9 @@ class Nginx:
         # Worker processes started by root default to user nobody, who cannot enter pytest's
         # private tmp directory to buffer request bodies.
         user = "user root;" if os.geteuid() == 0 else ""
-        (directory / "nginx.conf").write_text(render_main(directory, worker_processes, user))
+        (directory / "nginx.conf").write_text(
+            render_main(directory, worker_processes, user, main_config)
+        )
         self.url = f"https://127.0.0.1:{self.https_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.process = subprocess.Popen(
