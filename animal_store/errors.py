@@ -268,6 +268,14 @@ DATABASE_FULL = ErrorKind(
     "nothing was changed.",
     ("Retry-After",),
 )
+OVERLOADED = ErrorKind(
+    503,
+    "service_unavailable",
+    "The service is overloaded: the request waited too long for a worker; retry later.",
+    "The request waited longer than `REQUEST_QUEUE_TIMEOUT` for a worker, in a surge of "
+    "requests, and was answered at once; nothing was changed.",
+    ("Retry-After",),
+)
 SERVICE_UNAVAILABLE = ErrorKind(
     503,
     "service_unavailable",

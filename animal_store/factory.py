@@ -25,6 +25,7 @@ from animal_store.proxies import trust_proxies
 from animal_store.request_id import add_request_id_header
 from animal_store.security_headers import security_headers
 from animal_store.settings import load_settings
+from animal_store.shedding import init_shedding
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
 # The blueprints served under /v1, each inheriting everything the API layer gives (api/).
@@ -57,7 +58,7 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, *start_deadline, refuse_unsupported_framing),
+        before=(start_timer, init_shedding(app), *start_deadline, refuse_unsupported_framing),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),

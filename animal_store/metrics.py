@@ -93,6 +93,12 @@ DATABASE_REFUSALS = Counter(
     "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
     ["reason"],
 )
+# Counted from 0 on every instance, shedding or not (animal_store/shedding.py).
+SHED = Counter(
+    "animal_store_requests_shed",
+    "Requests answered 503 at once, unserved, because they waited longer than "
+    "REQUEST_QUEUE_TIMEOUT for a worker.",
+)
 # One series per release a live worker runs: two while a reload replaces the workers, one after.
 BUILD_INFO = Gauge(
     "animal_store_build_info",
@@ -200,6 +206,8 @@ class RequestMetrics:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
             if refusal:
                 self.counted[DATABASE_REFUSALS.labels(refusal)] += 1
+            if context.get("request_shed"):
+                self.counted[SHED] += 1
         self.write_if_due()
 
     def write_if_due(self) -> None:

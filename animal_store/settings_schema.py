@@ -305,6 +305,11 @@ class Settings:
         integer(at_least=0),
         "``Retry-After`` seconds on the 503 of a database outage, ``/readyz``'s included",
     )
+    REQUEST_QUEUE_TIMEOUT: float = setting(
+        seconds(at_least=0),
+        "Seconds a request may wait for a worker (nginx's ``X-Request-Start``) before it is "
+        "answered 503 at once, unserved (`Deploy <deploy.rst>`__, Overload); 0: never",
+    )
     LOG_LEVEL: str = setting(
         one_of(LOG_LEVELS),
         "Level of the JSON log lines; ``INFO`` includes one line per request, ``WARNING`` drops "

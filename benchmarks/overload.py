@@ -31,7 +31,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +39,6 @@ import urllib.request
 from pathlib import Path
 
 from http_bench import (
-    UNITS,
     Server,
     check_rate_limits,
     prepare_database,
@@ -50,6 +48,7 @@ from http_bench import (
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_DIR / "tests"))
+import wrk  # noqa: E402
 from nginx_server import (  # noqa: E402
     SHIPPED_MAIN_CONFIG,
     Nginx,
@@ -63,49 +62,15 @@ CLIENTS = (16, 256, 1024, 4096)
 # second, and a p99 of at most this many seconds.
 RATIO_TARGET = 0.8
 P99_TARGET = 3.0
-# A client that waits this long for an answer gives up (wrk's own default is 2 s, shorter than
-# a queue of 4,096 clients at 2 workers): the test is whether everyone is answered.
-CLIENT_TIMEOUT = "30s"
 # Seconds of each run before the 2xx per second are counted: every client has connected and
 # made its TLS handshake (4,096 of them cost nginx and wrk, on the same two cores, as many
 # seconds as a 15 s run serves requests in); the whole run's figure is printed too.
 WARMUP = 10
-# wrk counts each answer by status and by whether a refusal says when to retry in JSON, and the
-# 2xx from WARMUP on, over WINDOW whole seconds of the clock (os.time()'s resolution) that lie
-# within the run: WARMUP's and one more short of its duration (set by write_script).
-COUNTING_SCRIPT = """
-local threads = {}
-function setup(thread) table.insert(threads, thread) end
-function init(args) statuses = {} bare = 0 steady = 0 started = os.time() end
-function response(status, headers, body)
-  statuses[status] = (statuses[status] or 0) + 1
-  local second = os.time() - started
-  if status < 300 and second >= WARMUP and second < WARMUP + WINDOW then steady = steady + 1 end
-  if status >= 300 and (headers["Retry-After"] == nil or body:sub(1, 1) ~= "{") then
-    bare = bare + 1
-  end
-end
-function done(summary, latency, requests)
-  local total, without, counted = {}, 0, 0
-  for _, thread in ipairs(threads) do
-    for status, count in pairs(thread:get("statuses")) do
-      total[status] = (total[status] or 0) + count
-    end
-    without = without + thread:get("bare")
-    counted = counted + thread:get("steady")
-  end
-  for status, count in pairs(total) do io.write(string.format("status %d %d\\n", status, count)) end
-  io.write(string.format("bare %d\\n", without))
-  io.write(string.format("steady %d\\n", counted))
-end
-"""
 
 
 def main():
     args = parse_args()
-    # wrk holds a descriptor per client: lift the soft limit to the hard one for it.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if max(args.clients) + 64 > hard:
         sys.exit(f"wrk needs {max(args.clients) + 64} file descriptors; the hard limit is {hard}")
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
@@ -144,31 +109,17 @@ def main():
                 main_config=args.nginx_main,
             ).wait_until_serving()
             servers.append(nginx)
-            script = workdir / "count.lua"
-            window = args.duration - WARMUP - 1
-            script.write_text(f"WARMUP = {WARMUP}\nWINDOW = {window}\n{COUNTING_SCRIPT}")
             metrics = f"http://127.0.0.1:{metrics_port}/metrics"
             url = f"{nginx.url}/v1/pets?limit=20"
-            run_wrk(
-                url, key, script, 16, 2, 1, metrics, service, nginx
-            )  # warm up: imports, caches, TLS sessions
+            # Warm up: imports, caches, connections.
+            run_wrk(url, key, 16, 2, workdir, metrics, service, nginx)
             results = {clients: [] for clients in args.clients}
             for round_number in range(1, args.rounds + 1):
                 load = wait_for_quiet(args.quiet_wait)
                 print(f"  round {round_number} starts at load {load:.2f}")
                 for clients in args.clients:
                     results[clients].append(
-                        run_wrk(
-                            url,
-                            key,
-                            script,
-                            clients,
-                            args.duration,
-                            window,
-                            metrics,
-                            service,
-                            nginx,
-                        )
+                        run_wrk(url, key, clients, args.duration, workdir, metrics, service, nginx)
                     )
                     time.sleep(args.pause)  # the closed connections leave TIME_WAIT
             print_results(results)
@@ -274,7 +225,7 @@ def children_of(pid) -> list[int]:
     ]
 
 
-def run_wrk(url, key, script, clients, duration, window, metrics_url, service, nginx) -> dict:
+def run_wrk(url, key, clients, duration, workdir, metrics_url, service, nginx) -> dict:
     """Drive the list with wrk; return its figures, the queue's, and each party's CPU time per
     2xx answer (gunicorn's master and workers, nginx's workers, wrk: they share the cores)."""
     watch = QueueWatch(metrics_url)
@@ -282,51 +233,22 @@ def run_wrk(url, key, script, clients, duration, window, metrics_url, service, n
     gunicorn_pids = [service.process.pid, *service.worker_pids()]
     nginx_pids = children_of(nginx.process.pid)
     cpu_before = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
-    command = [
-        "wrk",
-        f"--threads={min(2, clients)}",
-        f"--connections={clients}",
-        f"--duration={duration}s",
-        f"--timeout={CLIENT_TIMEOUT}",
-        "--latency",
-        "--script",
-        str(script),
-        "--header",
-        f"Authorization: Bearer {key}",
-        url,
-    ]
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    run = wrk.run(url, key, clients, duration, workdir, warmup=min(WARMUP, duration - 2))
     seen = watch.finish()
     cpu_after = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
-    statuses = {int(s): int(n) for s, n in re.findall(r"^status (\d+) (\d+)$", output, re.M)}
-    errors = re.search(
-        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
-    )
-    percentiles = {
-        percent: float(value) * UNITS[unit] / 1000
-        for percent, value, unit in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s)\s*$", output, re.M)
-    }
-    seconds = float(re.search(r"requests in ([\d.]+)(ms|s|m)", output)[1])
-    unit = re.search(r"requests in [\d.]+(ms|s|m)", output)[1]
-    seconds *= {"ms": 0.001, "s": 1, "m": 60}[unit]
-    ok = sum(count for status, count in statuses.items() if 200 <= status < 300)
     cpu = [
-        (after - before) * 1000 / max(ok, 1)
+        (after - before) * 1000 / max(run.ok, 1)
         for before, after in zip(cpu_before, cpu_after, strict=True)
     ]
     return {
-        "ok_per_second": int(re.search(r"^steady (\d+)$", output, re.M)[1]) / window,
-        "whole_run": ok / seconds,
+        "ok_per_second": run.steady / max(duration - WARMUP - 1, 1),
+        "whole_run": run.ok / run.seconds,
         "cpu": cpu,
-        "statuses": statuses,
-        "bare": int(re.search(r"^bare (\d+)$", output, re.M)[1]),
-        "errors": dict(
-            zip(("connect", "read", "write", "timeout"), map(int, errors.groups()), strict=True)
-        )
-        if errors
-        else {},
-        "p50": percentiles.get("50", 0.0),
-        "p99": percentiles.get("99", 0.0),
+        "statuses": run.statuses,
+        "bare": run.bare,
+        "errors": run.errors,
+        "p50": run.percentiles.get(50, 0.0),
+        "p99": run.percentiles.get(99, 0.0),
         **seen,
     }
 

@@ -173,6 +173,8 @@ BAD_VALUES = [
     ("READYZ_TIMEOUT", "0"),
     ("DATABASE_RETRY_AFTER", "1.5"),
     ("DATABASE_RETRY_AFTER", "-1"),
+    ("REQUEST_QUEUE_TIMEOUT", "-1"),
+    ("REQUEST_QUEUE_TIMEOUT", '"10s"'),
     ("LOG_LEVEL", "info"),
     ("LOG_LEVEL", "VERBOSE"),
     ("METRICS_WRITE_INTERVAL", "-1"),
