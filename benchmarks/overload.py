@@ -85,7 +85,7 @@ def main():
         try:
             database_url = f"sqlite:///{workdir / 'bench.sqlite3'}"
             env = {**service_env(database_url), "ANIMAL_STORE_RATELIMIT_STORAGE_URI": redis.url}
-            os.environ.update(env)
+            os.environ.update(env)  # the flask commands too: never the machine's Redis
             key = prepare_database(database_url, 1000)
             metrics_port = free_port()
             env["ANIMAL_STORE_METRICS_BIND"] = f"127.0.0.1:{metrics_port}"
