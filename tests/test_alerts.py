@@ -4,17 +4,20 @@ which section of docs/operations.rst to read; every metric a rule reads is one /
 and every label it matches or groups by is one of its metrics' (or job, instance)."""
 
 import itertools
+import os
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from promql import parse
 
-from animal_store import create_app, metrics
+from animal_store import create_app, master_metrics, metrics
 from animal_store.extensions import db
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -129,7 +132,8 @@ def exported_metrics(tmp_path_factory) -> dict[str, frozenset[str]]:
     process, and as under gunicorn (PROMETHEUS_MULTIPROC_DIR), which adds the instance's
     process_* figures and animal_store_processes. Requests first count one of each labelled
     series (two 401s, then a 429 past AUTH_FAILURE_LIMIT), so each labelled metric shows its
-    labels."""
+    labels. With them, what only the metrics listener adds (animal_store/master_metrics.py): the
+    listen queue's figures, read from a listening socket of the test's own."""
     directory = tmp_path_factory.mktemp("alerts")
     app = create_app(
         {
@@ -150,6 +154,11 @@ def exported_metrics(tmp_path_factory) -> dict[str, frozenset[str]]:
         texts.append(client.get("/metrics").get_data(as_text=True))
     with app.app_context():
         db.engine.dispose()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        registry = CollectorRegistry()
+        registry.register(master_metrics.ListenQueues([listener]))
+        registry.register(master_metrics.InstanceProcesses(os.getpid()))
+        texts.append(generate_latest(registry).decode())
     labels: dict[str, set[str]] = {name: set(names) for name, names in SCRAPE_METRICS.items()}
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -160,6 +169,7 @@ def exported_metrics(tmp_path_factory) -> dict[str, frozenset[str]]:
                 labels.setdefault(sample.name, set()).update(sample.labels)
     assert "animal_store_processes" in labels
     assert labels["animal_store_refusals_total"] == {"reason"}
+    assert labels["animal_store_listen_queue_connections"] == {"listener"}
     return {name: frozenset(names) for name, names in labels.items()}
 
 
