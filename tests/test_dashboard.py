@@ -2,12 +2,14 @@
 labels) the service exports, as a live gunicorn serves them to Prometheus, and the file has what
 Grafana's importer relies on.
 
-The exported names come from a real gunicorn's /metrics, not the test client's: in one process,
-without PROMETHEUS_MULTIPROC_DIR, the app serves prometheus_client's default registry, which has
-no animal_store_processes and other process_* figures than the instance's (metrics.serve_metrics,
-InstanceProcesses), and *_created samples Prometheus never gets from gunicorn. Under gunicorn a
-labelled metric has no series until one is counted, so the instance is first sent requests that
-count one of each (a 401 and, past AUTH_FAILURE_LIMIT, a 429).
+The exported names come from what Prometheus scrapes, a real gunicorn's metrics listener
+(ANIMAL_STORE_METRICS_BIND), not the test client's /metrics: in one process, without
+PROMETHEUS_MULTIPROC_DIR, the app serves prometheus_client's default registry, which has no
+animal_store_processes and other process_* figures than the instance's (metrics.serve_metrics,
+InstanceProcesses), and *_created samples Prometheus never gets from gunicorn; and only the
+listener has the listen queue's figures. Under gunicorn a labelled metric has no series until one
+is counted, so the instance is first sent requests that count one of each (a 401 and, past
+AUTH_FAILURE_LIMIT, a 429). Prometheus adds `up` for each target it scrapes (PROMETHEUS_OWN).
 """
 
 import json
@@ -19,12 +21,24 @@ from pathlib import Path
 import promql
 import pytest
 import requests
+from nginx_server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "config" / "grafana" / "animal-store.json"
 DASHBOARD = json.loads(DASHBOARD_PATH.read_text())
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 JOB = "animal-store"
+# Prometheus' own series for each target, {name: its labels} (job and instance only): there
+# whether the target answered its scrape or not.
+PROMETHEUS_OWN = {"up": frozenset()}
+# The figures the metrics listener reads itself, not from the workers' files: the panels that
+# show an instance full of clients.
+LISTENER_OWN = (
+    "animal_store_listen_queue_connections",
+    "animal_store_listen_queue_connections_max",
+    "animal_store_listen_queue_backlog",
+    "animal_store_listen_queue_overflows_total",
+)
 
 
 def walk(panels):
@@ -130,23 +144,33 @@ _exported: dict[str, frozenset[str]] = {}
 
 @pytest.fixture
 def exported(request) -> dict[str, frozenset[str]]:
-    """{sample name: its labels} of one scrape of a live gunicorn (one worker, on a fresh
-    database), as Prometheus reads it. The first test that needs it starts the instance; the
-    others reuse what it read, since the names do not change within a run."""
+    """{sample name: its labels} of one scrape of a live gunicorn's metrics listener (one worker,
+    on a fresh database), as Prometheus reads it, with Prometheus' own. The first test that needs
+    it starts the instance; the others reuse what it read, since the names do not change within a
+    run."""
     if not _exported:
         _exported.update(scrape_an_instance(request.getfixturevalue("start_gunicorn")))
     return _exported
 
 
 def scrape_an_instance(start_gunicorn) -> dict[str, frozenset[str]]:
-    server = start_gunicorn(workers=1, env={"ANIMAL_STORE_AUTH_FAILURE_LIMIT": "2 per hour"})
+    metrics_address = f"127.0.0.1:{free_port()}"
+    server = start_gunicorn(
+        workers=1,
+        env={
+            "ANIMAL_STORE_AUTH_FAILURE_LIMIT": "2 per hour",
+            "ANIMAL_STORE_METRICS_BIND": metrics_address,
+            # Each answer counted in the files at once, for the listener's scrape just after.
+            "ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0",
+        },
+    )
     # Without a key: two 401s (auth_failures_total{reason="missing"}), then a 429 (the address
     # past its budget: refusals_total{reason="auth_failures"}, rate_limited_total).
     statuses = [requests.get(server.url + "/v1/pets", timeout=10).status_code for _ in range(3)]
     assert statuses == [401, 401, 429]
-    response = requests.get(server.url + "/metrics", timeout=10)
+    response = requests.get(f"http://{metrics_address}/metrics", timeout=10)
     assert response.status_code == 200
-    labels: dict[str, set[str]] = {}
+    labels: dict[str, set[str]] = {name: set(names) for name, names in PROMETHEUS_OWN.items()}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             labels.setdefault(sample.name, set()).update(sample.labels)
@@ -190,6 +214,7 @@ def test_the_scrape_is_an_instances_not_a_single_process(exported):
         "animal_store_refusals_total",
         "animal_store_auth_failures_total",
         "animal_store_request_duration_seconds_bucket",
+        *LISTENER_OWN,
     ):
         assert name in exported
     assert "animal_store_requests_created" not in exported
@@ -267,5 +292,17 @@ def test_the_instance_variable_offers_every_instance():
     assert instance["includeAll"]
     for _, matchers in read(instance["query"]).selectors:
         assert matchers.get("job") == ("=", JOB)
+    # Listed from a series Prometheus records for every target, answered or not: an instance
+    # whose workers are all busy, or whose scrapes fail, stays in the list (a metric the workers
+    # write could go stale, one of the listener's is gone when the listener is).
+    assert read(instance["query"]).metrics == set(PROMETHEUS_OWN)
     used = [t["expr"] for p in QUERY_PANELS for t in p["targets"]]
     assert all("$instance" in expression for expression in used)
+
+
+def test_the_listen_queue_and_what_it_drops_have_panels():
+    read_by_panels = set().union(
+        *(read(target["expr"]).metrics for panel in QUERY_PANELS for target in panel["targets"])
+    )
+    missing = [name for name in LISTENER_OWN if name not in read_by_panels]
+    assert not missing, f"no panel reads {missing}"
