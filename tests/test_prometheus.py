@@ -2,23 +2,37 @@
 (config/prometheus/prometheus.yml) and rules (config/prometheus/alerts.yml), scrapes a real
 gunicorn on the shipped config. Every series a rule reads exists in Prometheus and every rule
 loads; on a healthy instance no rule fires; a Redis of the test's own, frozen with SIGSTOP, makes
-AnimalStoreRateLimitsCountedApart fire with its labels and annotations as shipped.
+AnimalStoreRateLimitsCountedApart fire with its labels and annotations as shipped; and more
+clients than workers on a database whose writes are held make AnimalStoreSaturated fire, while
+every scrape answers and AnimalStoreDown stays quiet.
 
 Prometheus runs with the test's own config in a temporary directory: the shipped one with 1 s
 scrape and evaluation intervals and the test's gunicorn as the only target, and a copy of the
 rules that differs from the shipped only in each rule's `for`, FOR. Everything it starts (a
-Prometheus, a gunicorn, a redis-server) is stopped by PID afterwards."""
+Prometheus, a gunicorn, a redis-server) is stopped by PID afterwards.
+
+TEST_PROMETHEUS_AS_SHIPPED=1 runs the saturation test on the shipped intervals and
+each rule's shipped `for`, for the seconds an operator's Prometheus takes to fire (about two
+minutes; not in CI); the other tests, which wait on the short timings, are skipped then."""
 
 import copy
+import os
 import re
 import shutil
+import sqlite3
 import subprocess
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
+import psycopg
 import pytest
 import requests
+import sqlalchemy as sa
 import yaml
 from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
 from promql import metric_names
@@ -31,18 +45,24 @@ pytestmark = pytest.mark.skipif(
 SHIPPED_CONFIG = PROJECT_DIR / "config" / "prometheus" / "prometheus.yml"
 RULES = PROJECT_DIR / "config" / "prometheus" / "alerts.yml"
 JOB = "animal-store"
+AS_SHIPPED = os.environ.get("TEST_PROMETHEUS_AS_SHIPPED") == "1"
+shipped_timings_skip = pytest.mark.skipif(
+    AS_SHIPPED, reason="waits on the test's short timings, not the shipped ones"
+)
 # Scrape and evaluate every second instead of every 15 s, and let each rule fire once its
 # expression has held for two seconds (three evaluations) instead of minutes: the rules'
 # expressions, windows, labels and annotations stay as shipped.
-INTERVAL = "1s"
+INTERVAL = (
+    yaml.safe_load(SHIPPED_CONFIG.read_text())["global"]["scrape_interval"] if AS_SHIPPED else "1s"
+)
 FOR_SECONDS = 2
-FOR = f"{FOR_SECONDS}s"
+FOR = "as shipped" if AS_SHIPPED else f"{FOR_SECONDS}s"
 ALERT = "AnimalStoreRateLimitsCountedApart"
 # Freeze to firing: a request's failed try (0.1 s), a scrape and an evaluation (1 s each), FOR,
 # on a machine busy with other tests. Measured: see the printed figures.
 FIRING_WITHIN = 60.0
-# Bounds of the waits for Prometheus' own work (start, scrapes, evaluations).
-WAIT = 30.0
+# Bounds of the waits for Prometheus' own work (start, scrapes, evaluations): a few intervals.
+WAIT = 60.0 if AS_SHIPPED else 30.0
 # What may be active while the store serves requests: a worker counts its idle seconds when its
 # wait for a connection ends, up to a second after the seconds it ran, so over the first scrapes
 # the workers may read busy, AnimalStoreWorkersBusy's condition.
@@ -64,8 +84,11 @@ def rules_of(rules: dict) -> list[dict]:
 
 
 def with_short_for(rules: dict) -> dict:
-    """The rules with each rule's `for` set to FOR, and nothing else changed."""
+    """The rules with each rule's `for` set to FOR, and nothing else changed (as shipped with
+    AS_SHIPPED)."""
     changed = copy.deepcopy(rules)
+    if AS_SHIPPED:
+        return changed
     for rule in rules_of(changed):
         rule["for"] = FOR
     return changed
@@ -213,6 +236,7 @@ def scraped_after(prometheus: Prometheus, moment: float):
     return scraped if scraped > moment and target["health"] == "up" else None
 
 
+@shipped_timings_skip
 def test_prometheus_has_every_series_the_rules_read(store, prometheus):
     # The copy the Prometheus runs differs from the shipped rules only in each `for`.
     shipped = shipped_rules()
@@ -262,6 +286,7 @@ def test_prometheus_has_every_series_the_rules_read(store, prometheus):
             assert rule["duration"] == FOR_SECONDS, rule
 
 
+@shipped_timings_skip
 def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
     # Traffic until the degraded seconds (at 0) are in Prometheus, then for a few evaluations
     # more: meanwhile only AnimalStoreWorkersBusy may become active (BUSY). (Before Prometheus'
@@ -359,4 +384,160 @@ def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
         f"{fired - frozen:.1f} s (for: {FOR}, scrape and evaluation every {INTERVAL}); "
         f"degraded seconds then {float(degraded[0]['value'][1]):.2f}; other alerts meanwhile: "
         f"{sorted(others) or 'none'}; active while serving before: {sorted(seen) or 'none'}"
+    )
+
+
+SATURATED = "AnimalStoreSaturated"
+# Clients creating animals at once, on 2 workers: 6 wait in the listening socket.
+CLIENTS = 8
+# Saturation to firing: the queue in the next scrape, the stalled answers over the two last,
+# an evaluation, FOR (1 s each here). As shipped, 15 s each and a minute: the rule's promise, 2
+# minutes, with room for a busy machine.
+SATURATED_WITHIN = 150.0 if AS_SHIPPED else 60.0
+# Saturated at least this long, for the scrapes it holds.
+HELD_FOR = 8.0
+# What else saturation on held writes may make active: every creation ends in the database's 503
+# (DatabaseUnavailable, the burn rates: the 5xx share is all but 1), and the workers are busy.
+HELD_WRITES_ALSO = {
+    BUSY,
+    "AnimalStoreDatabaseUnavailable",
+    "AnimalStoreErrorBudgetFastBurn",
+    "AnimalStoreErrorBudgetSlowBurn",
+}
+
+
+@contextmanager
+def writes_held(database_url: str) -> Iterator[None]:
+    """Hold the write lock of the test's database, so that each creation waits for it until the
+    database gives up on it (SQLITE_BUSY_TIMEOUT, 5 s; PostgreSQL's statement timeout, 4 s) and
+    is answered 503: a database that stopped taking writes, as a worker finds it. Reads go on."""
+    url = sa.make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        lite = sqlite3.connect(url.database, isolation_level=None)
+        try:
+            lite.execute("BEGIN IMMEDIATE")
+            yield
+        finally:
+            lite.close()  # its transaction rolled back
+        return
+    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo) as connection:
+        # Creations take ROW EXCLUSIVE, which EXCLUSIVE blocks; SELECTs take ACCESS SHARE.
+        connection.execute("LOCK TABLE pets IN EXCLUSIVE MODE")
+        try:
+            yield
+        finally:
+            connection.rollback()
+
+
+def query(prometheus: Prometheus, expression: str, at: float) -> float | None:
+    """The value of an expression of one series at `at`, or None when it has none."""
+    result = prometheus.api("query", query=expression, time=f"{at:.3f}")["result"]
+    assert len(result) <= 1, result
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_a_saturated_instance_fires_saturated_and_answers_every_scrape(
+    store, prometheus, database_url
+):
+    # Answered once, so the answers' series exist; then the queue's figures in Prometheus and a
+    # quiet evaluation on them: an idle instance is not saturated.
+    assert store.list_pets() == 200
+    queue = "animal_store_listen_queue_connections"
+    within(WAIT, "the queue's series scraped", lambda: series(prometheus, queue))
+    scraped = time.time()
+    within(WAIT, "an evaluation on them", lambda: evaluated_after(prometheus, scraped))
+    assert SATURATED not in {a["labels"]["alertname"] for a in prometheus.alerts()}
+
+    statuses: Counter[int] = Counter()
+    stop = threading.Event()
+
+    def create_pets() -> None:
+        with requests.Session() as session:
+            while not stop.is_set():
+                response = session.post(
+                    store.url + "/v1/pets",
+                    json={"name": "Rex", "categoryId": 1},
+                    headers=store.auth,
+                    timeout=60,
+                )
+                statuses[response.status_code] += 1
+
+    clients = [threading.Thread(target=create_pets) for _ in range(CLIENTS)]
+    seen: set[str] = set()
+    down = ("AnimalStoreDown", "AnimalStoreNotScraped")
+    with writes_held(database_url):
+        saturated = time.time()
+        for client in clients:
+            client.start()
+        try:
+
+            def firing():
+                alerts = prometheus.alerts()
+                seen.update(a["labels"]["alertname"] for a in alerts)
+                assert not seen & set(down), seen  # at once, not after the wait
+                return next(
+                    (
+                        a
+                        for a in alerts
+                        if a["labels"]["alertname"] == SATURATED and a["state"] == "firing"
+                    ),
+                    None,
+                )
+
+            try:
+                alert = within(SATURATED_WITHIN, f"{SATURATED} firing", firing)
+            except AssertionError:
+                raise AssertionError(
+                    f"{SATURATED} did not fire within {SATURATED_WITHIN}s of saturation; "
+                    f"active: {prometheus.alerts()}"
+                ) from None
+            fired = time.time()
+            # A scrape and an evaluation after, with the clients still waiting, and the instance
+            # saturated HELD_FOR at least: Down stays quiet.
+            time.sleep(max(0.0, saturated + HELD_FOR - fired))
+            late = time.time()
+            scraped = within(WAIT, "a scrape after", lambda: scraped_after(prometheus, late))
+            within(WAIT, "an evaluation after it", lambda: evaluated_after(prometheus, scraped))
+            rules = {r["name"]: r["state"] for g in prometheus.groups() for r in g["rules"]}
+        finally:
+            stop.set()
+    for client in clients:
+        client.join(timeout=60)
+    assert not any(client.is_alive() for client in clients)
+
+    (rule,) = (rule for rule in rules_of(shipped_rules()) if rule["alert"] == SATURATED)
+    labels = {"alertname": SATURATED, "job": JOB, "instance": store.address, **rule["labels"]}
+    assert alert["labels"] == labels
+    assert alert["labels"]["severity"] == "page"
+    assert alert["annotations"] == {
+        name: rendered(template, labels) for name, template in rule["annotations"].items()
+    }
+    assert rules["AnimalStoreDown"] == "inactive"
+    assert seen - {SATURATED} <= HELD_WRITES_ALSO, seen
+    # Each client was answered: the creations held past the database's wait with its 503, the
+    # others once it let go.
+    assert set(statuses) <= {201, 503}, statuses
+    assert statuses.total() >= CLIENTS, statuses
+
+    # Every scrape while saturated answered: up at 1 at each, a scrape a second, and each
+    # scrape's own time (scrape_duration_seconds) well under Prometheus' timeout.
+    seconds = int(scraped - saturated)
+    window = f'{{job="{JOB}"}}[{seconds}s]'
+    assert query(prometheus, f"min_over_time(up{window})", scraped) == 1
+    scrapes = query(prometheus, f"count_over_time(up{window})", scraped)
+    every = float(INTERVAL.removesuffix("s"))
+    assert scrapes >= seconds / every * 0.5, (scrapes, seconds)  # on a busy machine
+    slowest = query(prometheus, f"max_over_time(scrape_duration_seconds{window})", scraped)
+    assert slowest < 1, slowest
+    most = query(prometheus, f"max_over_time({queue}{window})", scraped)
+    assert most >= CLIENTS - store.workers - 1, most
+    active = unix(alert["activeAt"])
+    print(
+        f"\n{SATURATED}: active {active - saturated:.1f} s after {CLIENTS} clients met held "
+        f"writes on {store.workers} workers, seen firing after {fired - saturated:.1f} s (for: "
+        f"{FOR}, scrape and evaluation every {INTERVAL}); {scrapes:.0f} scrapes in "
+        f"{seconds} s, all up, the slowest {slowest * 1000:.1f} ms; most waiting in the queue "
+        f"{most:.0f}; clients' answers {dict(statuses)}; others active: "
+        f"{sorted(seen - {SATURATED}) or 'none'}"
     )
