@@ -395,7 +395,7 @@ CLIENTS = 8
 # minutes, with room for a busy machine.
 SATURATED_WITHIN = 150.0 if AS_SHIPPED else 60.0
 # Saturated at least this long, for the scrapes it holds.
-HELD_FOR = 8.0
+HELD_FOR = 6.0
 # What else saturation on held writes may make active: every creation ends in the database's 503
 # (DatabaseUnavailable, the burn rates: the 5xx share is all but 1), and the workers are busy.
 HELD_WRITES_ALSO = {
