@@ -1,7 +1,8 @@
 """The alert rules (config/prometheus/alerts.yml): promtool finds them valid and their unit tests
-(tests/prometheus/alerts_test.yml) pass; every alert says how urgent it is, what it means and
-which section of docs/operations.rst to read; every metric a rule reads is one /metrics exports,
-and every label it matches or groups by is one of its metrics' (or job, instance)."""
+(tests/prometheus/alerts_test.yml, and saturation_test.yml at 15 s) pass; every alert says how
+urgent it is, what it means and which section of docs/operations.rst to read; every metric a rule
+reads is one /metrics exports, and every label it matches or groups by is one of its metrics' (or
+job, instance)."""
 
 import itertools
 import os
@@ -22,7 +23,10 @@ from animal_store.extensions import db
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RULES = PROJECT_DIR / "config" / "prometheus" / "alerts.yml"
-RULE_TESTS = PROJECT_DIR / "tests" / "prometheus" / "alerts_test.yml"
+RULE_TESTS = [
+    PROJECT_DIR / "tests" / "prometheus" / name
+    for name in ("alerts_test.yml", "saturation_test.yml")
+]
 OPERATIONS = PROJECT_DIR / "docs" / "operations.rst"
 
 ALERTS = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
@@ -60,7 +64,7 @@ def test_promtool_finds_the_rules_valid(promtool):
 
 def test_the_rules_pass_their_unit_tests(promtool):
     # rule_files in the test file are relative to its own directory.
-    run_promtool(promtool, "test", "rules", str(RULE_TESTS))
+    run_promtool(promtool, "test", "rules", *map(str, RULE_TESTS))
 
 
 def section_titles(rst: str) -> set[str]:
