@@ -32,6 +32,10 @@ class PgBouncer:
             f"test = host={server_url.host} port={server_url.port} "
             f"dbname={server_url.database} user={role}"
         )
+        if server_url.password:
+            # For a server that wants one (scram-sha-256), which PgBouncer's trusted clients
+            # never give it.
+            database += f" password={server_url.password}"
         config = SHIPPED_CONFIG.read_text()
         config = substitute(r"^store = .*$", database, config, 1, SHIPPED_CONFIG)
         config = substitute(

@@ -1,0 +1,344 @@
+"""The database fails over with no human: Patroni, on the shipped config/patroni/ files, under
+creations (each with an Idempotency-Key, sent again after a 503 until created) and reads through
+gunicorn, straight to PostgreSQL (libpq's multi-host URL) and through PgBouncer, which reaches
+the primary through HAProxy health-checking Patroni's REST API (docs/deploy.rst, High
+availability). Both paths are loaded at once through each fault, so each fault is measured on
+both.
+
+The cluster is the module's own (tests/patroni_cluster.py: three etcd members and three Patroni
+nodes on loopback ports), shared by the tests in the order they are written, each leaving it
+with three members; so these run in the pass without TEST_DATABASE_URL. `pytest -s` prints each
+fault's figures, and the table of all at the end.
+"""
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import TEST_DATABASE_URL, Gunicorn, migrate_to_head
+from patroni_cluster import MISSING, TEST_TIMINGS, HAProxy, Machine, PatroniCluster
+from pgbouncer_server import PGBOUNCER, PgBouncer
+from sqlalchemy.engine import make_url
+from test_failover import answer_kinds, make_key, wait_for_a_creation
+from test_releases import Load, walk
+
+pytestmark = [
+    pytest.mark.skipif(
+        bool(MISSING) or PGBOUNCER is None,
+        reason="needs "
+        + ", ".join(MISSING + ([] if PGBOUNCER else ["pgbouncer (Debian: pgbouncer)"])),
+    ),
+    pytest.mark.skipif(
+        bool(TEST_DATABASE_URL),
+        reason="runs in the pass without TEST_DATABASE_URL: it starts a cluster of its own",
+    ),
+]
+
+
+class KeyedLoad(Load):
+    """Load's readers and creators, but each creation carries an Idempotency-Key and is sent
+    again, same key and body, after an answer that is not final (a 503, a dropped connection),
+    as a careful client does; each reader gets the latest animal its load created, or the first
+    page, and keeps every animal it was shown."""
+
+    def __init__(self, url, key, prefix):
+        super().__init__(url, "", key, listers=1, creators=1)
+        self.prefix = prefix
+        self.pending: dict[int, str] = {}
+        self.shown: list[tuple[int, str]] = []
+
+    def create_pet(self, session, n):
+        me = threading.get_ident()
+        key = self.pending.setdefault(me, f"{self.prefix}-{me}-{n}")
+        response = session.post(
+            f"{self.url}/v1/pets",
+            json={"name": key, "categoryId": 1},
+            headers=self.auth | {"Idempotency-Key": key},
+            timeout=30,
+        )
+        # 409 idempotency_key_in_use: the first request under the key still runs on the server
+        # (a commit that waits for a synchronous standby), so the client waits and sends it again.
+        if response.status_code < 500 and response.status_code != 409:
+            del self.pending[me]
+        return response
+
+    def list_pets(self, session, n):
+        with self.lock:
+            latest = self.acknowledged[-1]["id"] if self.acknowledged and n % 2 else None
+        path = f"/v1/pets/{latest}" if latest else "/v1/pets?limit=20"
+        response = session.get(f"{self.url}{path}", headers=self.auth, timeout=30)
+        if response.status_code == 200:
+            body = response.json()
+            with self.lock:
+                self.shown += [
+                    (pet["id"], pet["name"]) for pet in (body if latest is None else [body])
+                ]
+        return response
+
+
+def kinds_of(load: KeyedLoad) -> Counter:
+    """answer_kinds, and "409 in use": a creation's retry while its first request still runs,
+    told to wait (Retry-After) and retried, as the API documents."""
+    kinds = answer_kinds(load)
+    for _, status, retry_after, body in load.answers:
+        if status == 409 and retry_after and body.get("code") == "idempotency_key_in_use":
+            kinds[409] -= 1
+            kinds["409 in use"] += 1
+    return +kinds
+
+
+@dataclass
+class Figures:
+    """One path's figures through one fault."""
+
+    fault: str
+    mode: str
+    path: str
+    promotion: float
+    first_creation: float
+    longest_gap: float
+    answers: Counter
+    acknowledged: int
+    lost: int
+    stale: int
+    rejoined: float | None = None
+
+    def row(self) -> str:
+        answers = ", ".join(
+            f"{count} {kind}" for kind, count in sorted(self.answers.items(), key=str)
+        )
+        rejoined = "-" if self.rejoined is None else f"{self.rejoined:.1f} s"
+        return (
+            f"{self.fault:<10} {self.mode:<10} {self.path:<9} {self.promotion:>6.2f} s "
+            f"{self.first_creation:>6.2f} s {self.longest_gap:>6.2f} s  "
+            f"{self.lost} of {self.acknowledged:<5} {self.stale:>5}  {rejoined:>7}  {answers}"
+        )
+
+
+HEADER = (
+    "fault      mode       path      promoted  then 201  no 201  lost        stale  rejoined"
+    "  answers"
+)
+MEASURED: list[Figures] = []
+
+
+@dataclass
+class Deployment:
+    cluster: PatroniCluster
+    key: str
+    direct: Gunicorn
+    bounced: Gunicorn
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """The three machines, a migrated database `store`, HAProxy and PgBouncer in front, and two
+    gunicorns: one on every machine's PostgreSQL, one on PgBouncer."""
+    directory = tmp_path_factory.mktemp("patroni")
+    cluster = PatroniCluster()
+    haproxy = bouncer = None
+    servers: list[Gunicorn] = []
+    try:
+        cluster.start()
+        cluster.sql(cluster.wait_for_leader(None), "CREATE DATABASE store")
+        url = cluster.url()
+        migrate_to_head(url)
+        key = make_key(url)
+        haproxy = HAProxy(cluster)
+        through = make_url(cluster.url().split("@")[0] + f"@127.0.0.1:{haproxy.port}/store")
+        bouncer = PgBouncer(through, "postgres", pool_size=4).wait_until_serving()
+        env = {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"}
+        for database, environment in [
+            (url, None),
+            (bouncer.url.render_as_string(hide_password=False), env),
+        ]:
+            log = directory / f"gunicorn-{len(servers)}.log"
+            servers.append(Gunicorn(database, 2, environment, log))
+        for server in servers:
+            server.wait_until_serving(timeout=120)
+        yield Deployment(cluster, key, *servers)
+    finally:
+        for server in servers:
+            server.stop()
+        if bouncer is not None:
+            bouncer.stop()
+        if haproxy is not None:
+            haproxy.stop()
+        cluster.stop()
+        if MEASURED:
+            timings = ", ".join(f"{name} {value}" for name, value in TEST_TIMINGS.items())
+            print(f"\nPatroni failovers ({timings}):\n{HEADER}")
+            print("\n".join(figures.row() for figures in MEASURED))
+
+
+def stored(cluster: PatroniCluster) -> dict[int, str]:
+    """Every animal on the leader, {id: name}."""
+    leader = cluster.wait_for_leader(None)
+    rows = cluster.sql(leader, "SELECT id, name FROM pets ORDER BY id", "store").split()
+    return {int(pet_id): name for pet_id, name in (row.split("|") for row in rows)}
+
+
+def longest_gap(load: KeyedLoad, moment: float) -> float:
+    """The longest time around `moment` with no creation acknowledged: from the last before it
+    to the first after, and between those after."""
+    created = sorted(when for when, status, *_ in load.answers if status == 201)
+    around = [when for when in created if when < moment][-1:] + [w for w in created if w >= moment]
+    return max(b - a for a, b in itertools.pairwise(around))
+
+
+def through_a_fault(deployment: Deployment, fault: str, mode: str, act) -> list[Figures]:
+    """Load both paths, call `act()` (the fault; it returns once it is under way), wait for the
+    new leader and for creations on both paths, load on a while; check every answer and what was
+    stored; return the figures."""
+    cluster = deployment.cluster
+    old = cluster.wait_for_leader(None)
+    name = f"{fault}-{mode.replace(' ', '-')}"
+    loads = {
+        "direct": KeyedLoad(deployment.direct.url, deployment.key, f"{name}-direct"),
+        "PgBouncer": KeyedLoad(deployment.bounced.url, deployment.key, f"{name}-bounced"),
+    }
+    with contextlib.ExitStack() as stack:
+        for load in loads.values():
+            stack.enter_context(load)
+        for load in loads.values():
+            load.wait_for_answers(50)
+        started = time.monotonic()
+        act(old)
+        promoted = cluster.wait_for_leader(old, timeout=60)
+        promoted_at = time.monotonic()
+        promotion = promoted_at - started
+        first = {path: wait_for_a_creation(load, promoted_at, 60) for path, load in loads.items()}
+        for load in loads.values():
+            load.wait_for_answers(100, timeout=60)
+    animals = stored(cluster)
+    assert cluster.leader() is promoted
+    figures = []
+    for path, load in loads.items():
+        kinds = kinds_of(load)
+        acknowledged = {pet["id"]: pet["name"] for pet in load.acknowledged}
+        lost = sorted(set(acknowledged) - set(animals))
+        stale = [shown for shown in load.shown if animals.get(shown[0]) != shown[1]]
+        figures.append(
+            Figures(
+                fault,
+                mode,
+                path,
+                promotion,
+                first[path],
+                longest_gap(load, started),
+                kinds,
+                len(acknowledged),
+                len(lost),
+                len(stale),
+            )
+        )
+        print(figures[-1].row())
+        assert set(kinds) <= {"ok", "503", "409 in use"}, load.failures[:5]
+        # A synchronous standby is promoted, strict or not: it has every commit acknowledged.
+        assert lost == []
+        assert stale == [], stale[:5]
+        # Each key made one animal, however often its creation was sent.
+        names = Counter(name for name in animals.values() if name.startswith(load.prefix))
+        assert [name for name, count in names.items() if count > 1] == []
+        assert set(names) >= set(acknowledged.values())
+    assert [pet["id"] for pet in walk(deployment.direct.url, "", deployment.key)] == list(animals)
+    return figures
+
+
+def rejoin(cluster: PatroniCluster, machine: Machine) -> float:
+    """Wait for `machine` to be a standby of the leader again, streaming; return how long."""
+    started = time.monotonic()
+    members = cluster.wait_for_members(3, timeout=120)
+    role = next(member["role"] for member in members if member["name"] == machine.name)
+    assert role in ("replica", "sync_standby")
+    return time.monotonic() - started
+
+
+MODES = {"strict": True, "not strict": False}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_patroni_switchover_under_load_is_barely_noticed(deployment, mode):
+    cluster = deployment.cluster
+    cluster.set_strict(MODES[mode])
+    finished = {}
+
+    def switch_over(old: Machine) -> None:
+        # The synchronous standby: the only one Patroni lets take over in synchronous mode.
+        (candidate,) = [m["name"] for m in cluster.members() if m["role"] == "sync_standby"]
+        finished["old"] = old
+
+        def run():
+            finished["said"] = cluster.patronictl(
+                "switchover", "--leader", old.name, "--candidate", candidate, "--force"
+            )
+
+        finished["thread"] = threading.Thread(target=run)
+        finished["thread"].start()
+
+    figures = through_a_fault(deployment, "switchover", mode, switch_over)
+    finished["thread"].join(60)
+    assert "Successfully switched over" in finished["said"], finished["said"]
+    # The old leader follows the new one by itself: Patroni stopped it cleanly, no rewind needed.
+    rejoined = rejoin(cluster, finished["old"])
+    for each in figures:
+        each.rejoined = rejoined
+    MEASURED.extend(figures)
+    for each in figures:
+        # Under the failover's: no wait for a key to expire.
+        assert each.promotion < TEST_TIMINGS["ttl"] + 5
+        assert each.first_creation < 15
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_patroni_promotes_a_standby_when_the_leaders_machine_is_lost(deployment, mode):
+    cluster = deployment.cluster
+    cluster.set_strict(MODES[mode])
+    lost: list[Machine] = []
+
+    def lose_the_leader(old: Machine) -> None:
+        old.lose()
+        lost.append(old)
+
+    figures = through_a_fault(deployment, "kill", mode, lose_the_leader)
+    # Its etcd member and Patroni start again, as the machine's boot would: Patroni rewinds its
+    # PostgreSQL (it was the primary of the timeline that ended) and starts it as a standby.
+    (old,) = lost
+    old.bring_back()
+    rejoined = rejoin(cluster, old)
+    for each in figures:
+        each.rejoined = rejoined
+    MEASURED.extend(figures)
+    for each in figures:
+        # The leader's key expires within ttl of its last renewal; then a loop or two.
+        assert each.promotion < TEST_TIMINGS["ttl"] + 10
+        assert each.first_creation < each.promotion + 15
+
+
+def test_patroni_files_are_run_as_shipped_but_for_addresses_ports_paths_and_timings():
+    """What tests/patroni_cluster.py replaces in config/patroni/ is all it may: the three
+    machines' lines, rendered for each, keep every other line of the shipped files."""
+    cluster = PatroniCluster()
+    try:
+        shipped = (Path(__file__).parent.parent / "config" / "patroni" / "patroni.yml").read_text()
+        rendered = cluster.machines[1].patroni_config()
+        kept = [line for line in shipped.splitlines() if line in rendered.splitlines()]
+        changed = [line.strip() for line in shipped.splitlines() if line not in kept]
+        replaced = {"name:", "listen:", "connect_address:", "hosts:", "data_dir:", "bin_dir:"}
+        replaced |= {
+            "pgpass:",
+            "unix_socket_directories:",
+            "- host",
+            *map("{}:".format, TEST_TIMINGS),
+        }
+        assert all(line.startswith(tuple(replaced)) for line in changed), changed
+        environment = cluster.machines[2].etcd_environment()
+        assert environment["ETCD_NAME"] == "db3"
+        assert environment["ETCD_INITIAL_CLUSTER"].count("=http://127.0.0.1:") == 3
+    finally:
+        cluster.stop()
