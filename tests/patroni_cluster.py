@@ -252,6 +252,7 @@ class Machine:
         kill_all(list(dict.fromkeys(pids)))
         if self.patroni_process is not None:
             self.patroni_process.wait()
+            self.patroni_log.close()
         self.patroni_process = None
 
     def bring_back(self) -> None:

@@ -342,3 +342,47 @@ def test_patroni_files_are_run_as_shipped_but_for_addresses_ports_paths_and_timi
         assert environment["ETCD_INITIAL_CLUSTER"].count("=http://127.0.0.1:") == 3
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_patroni_primary_left_alone_commits_only_when_not_strict(deployment, mode):
+    """Both standbys' Patroni and PostgreSQL lost, their etcd members not (etcd keeps its
+    quorum, the primary its key): strict, creations wait (the JSON 503) until a standby is back;
+    not strict, they go on after a loop of the leader's Patroni, on one machine alone, which is
+    the window in which losing that machine too would lose them."""
+    cluster = deployment.cluster
+    cluster.set_strict(MODES[mode])
+    leader = cluster.wait_for_leader(None)
+    standbys = [machine for machine in cluster.machines if machine is not leader]
+    load = KeyedLoad(deployment.direct.url, deployment.key, f"alone-{mode.replace(' ', '-')}")
+    with load:
+        load.wait_for_answers(50)
+        for standby in standbys:
+            standby.lose_database()
+        alone = time.monotonic()
+        time.sleep(6)
+        back = time.monotonic()
+        for standby in standbys:
+            standby.bring_back()
+        cluster.wait_for_members(3, timeout=120)
+        followed = time.monotonic()
+        load.wait_for_answers(50)
+    created = sorted(when for when, status, *_ in load.answers if status == 201)
+    while_alone = [when for when in created if alone + 1 < when < back]
+    first_alone = [when - alone for when in created if when > alone + 1][:1]
+    kinds = kinds_of(load)
+    print(
+        f"alone {mode}: {len(while_alone)} creations acknowledged in {back - alone:.1f} s alone, "
+        f"the first {first_alone} s after the loss; standbys back in {followed - back:.1f} s; "
+        f"answers {dict(kinds)}"
+    )
+    assert cluster.leader() is leader
+    assert set(kinds) <= {"ok", "503", "409 in use"}, load.failures[:5]
+    if MODES[mode]:
+        assert while_alone == []
+        assert first_alone[0] > back - alone
+    else:
+        # Once the leader's Patroni has seen its synchronous standby gone (a loop or two).
+        assert while_alone
+        assert first_alone[0] < TEST_TIMINGS["ttl"]
+    assert not {pet["id"] for pet in load.acknowledged} - set(stored(cluster))
