@@ -51,12 +51,12 @@ ETCD_CLIENT, ETCD_PEER, RESTAPI, POSTGRES = 2379, 2380, 8008, 5432
 
 # The shipped ttl 15, loop_wait 3, retry_timeout 5 make a failover wait up to 15 s for the
 # leader's key to expire; the tests keep Patroni's rule (ttl >= loop_wait + 2 x retry_timeout)
-# at about half of that, so that CI waits half as long. ANIMAL_STORE_TEST_PATRONI_TIMINGS=shipped
+# at about half of that, so that CI waits half as long. TEST_PATRONI_TIMINGS=shipped
 # runs the shipped ones (what docs/deploy.rst measured both ways).
 SHIPPED_TIMINGS = {"ttl": 15, "loop_wait": 3, "retry_timeout": 5}
 TEST_TIMINGS = (
     SHIPPED_TIMINGS
-    if os.environ.get("ANIMAL_STORE_TEST_PATRONI_TIMINGS") == "shipped"
+    if os.environ.get("TEST_PATRONI_TIMINGS") == "shipped"
     else {"ttl": 8, "loop_wait": 1, "retry_timeout": 3}
 )
 
@@ -211,7 +211,7 @@ class Machine:
             cwd=self.directory,
             stdout=self.patroni_log,
             stderr=subprocess.STDOUT,
-            **as_postgres,  # type: ignore[arg-type]
+            **as_postgres,
         )
 
     def postmaster(self) -> int | None:
