@@ -456,6 +456,15 @@ def is_database_outage(error: BaseException) -> bool:
         return True  # the pool gave up reconnecting, or every connection stayed busy
     if is_read_only_refusal(error):
         return True
+    if (
+        isinstance(error, sa_exc.DBAPIError)
+        and error.connection_invalidated
+        and db.engine.dialect.name != "sqlite"
+    ):
+        # The server's connection broke under the statement, whatever the driver called it: a
+        # server shut down (a switchover) right after a COMMIT completed sends its FATAL behind
+        # the COMMIT's answer, which psycopg raises as InternalError ("received 2 results").
+        return True
     if not isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError):
         return False
     if db.engine.dialect.name == "sqlite":
