@@ -467,6 +467,13 @@ class HAProxy:
         )
         # No syslog in a test: what HAProxy says goes to its standard error, in the log file.
         text = replace(text, "log /dev/log local0", "log stderr local0", source)
+        if os.geteuid() != 0:  # only root may change user or chroot
+            for line in (
+                "    user haproxy\n",
+                "    group haproxy\n",
+                "    chroot /var/lib/haproxy\n",
+            ):
+                text = replace(text, line, "", source)
         for machine in cluster.machines:
             server = f"server {machine.name} {machine.address}:{POSTGRES} check port {RESTAPI}"
             text = replace(
