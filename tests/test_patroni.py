@@ -1,9 +1,9 @@
 """The database fails over with no human: Patroni, on the shipped config/patroni/ files, under
-creations (each with an Idempotency-Key, sent again after a 503 until created) and reads through
-gunicorn, straight to PostgreSQL (libpq's multi-host URL) and through PgBouncer, which reaches
-the primary through HAProxy health-checking Patroni's REST API (docs/deploy.rst, High
-availability). Both paths are loaded at once through each fault, so each fault is measured on
-both.
+creations (each with an Idempotency-Key, sent again after a 503 or a 409 until created) and
+reads through gunicorn, straight to PostgreSQL (libpq's multi-host URL) and through PgBouncer,
+which reaches the primary through HAProxy health-checking Patroni's REST API (docs/deploy.rst,
+High availability). Both paths are loaded at once through each fault, so each fault is measured
+on both.
 
 The cluster is the module's own (tests/patroni_cluster.py: three etcd members and three Patroni
 nodes on loopback ports), shared by the tests in the order they are written, each leaving it
@@ -150,7 +150,7 @@ def deployment(tmp_path_factory):
         migrate_to_head(url)
         key = make_key(url)
         haproxy = HAProxy(cluster)
-        through = make_url(cluster.url().split("@")[0] + f"@127.0.0.1:{haproxy.port}/store")
+        through = make_url(cluster.url()).set(host="127.0.0.1", port=haproxy.port, query={})
         bouncer = PgBouncer(through, "postgres", pool_size=4).wait_until_serving()
         env = {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"}
         for database, environment in [
@@ -305,11 +305,15 @@ def test_patroni_promotes_a_standby_when_the_leaders_machine_is_lost(deployment,
         old.lose()
         lost.append(old)
 
-    figures = through_a_fault(deployment, "kill", mode, lose_the_leader)
-    # Its etcd member and Patroni start again, as the machine's boot would: Patroni rewinds its
-    # PostgreSQL (it was the primary of the timeline that ended) and starts it as a standby.
+    try:
+        figures = through_a_fault(deployment, "kill", mode, lose_the_leader)
+    finally:
+        # Its etcd member and Patroni start again, as the machine's boot would (and for the
+        # next test, whatever happened): Patroni rewinds its PostgreSQL if it must (it was the
+        # primary of the timeline that ended) and starts it as a standby.
+        for machine in lost:
+            machine.bring_back()
     (old,) = lost
-    old.bring_back()
     rejoined = rejoin(cluster, old)
     for each in figures:
         each.rejoined = rejoined
@@ -355,18 +359,22 @@ def test_patroni_primary_left_alone_commits_only_when_not_strict(deployment, mod
     leader = cluster.wait_for_leader(None)
     standbys = [machine for machine in cluster.machines if machine is not leader]
     load = KeyedLoad(deployment.direct.url, deployment.key, f"alone-{mode.replace(' ', '-')}")
-    with load:
-        load.wait_for_answers(50)
+    try:
+        with load:
+            load.wait_for_answers(50)
+            for standby in standbys:
+                standby.lose_database()
+            alone = time.monotonic()
+            time.sleep(6)
+            back = time.monotonic()
+            for standby in standbys:
+                standby.bring_back()
+            cluster.wait_for_members(3, timeout=120)
+            followed = time.monotonic()
+            load.wait_for_answers(50)
+    finally:
         for standby in standbys:
-            standby.lose_database()
-        alone = time.monotonic()
-        time.sleep(6)
-        back = time.monotonic()
-        for standby in standbys:
-            standby.bring_back()
-        cluster.wait_for_members(3, timeout=120)
-        followed = time.monotonic()
-        load.wait_for_answers(50)
+            standby.bring_back()  # if the test stopped before it did
     created = sorted(when for when, status, *_ in load.answers if status == 201)
     while_alone = [when for when in created if alone + 1 < when < back]
     first_alone = [when - alone for when in created if when > alone + 1][:1]
