@@ -150,7 +150,8 @@ def deployment(tmp_path_factory):
         migrate_to_head(url)
         key = make_key(url)
         haproxy = HAProxy(cluster)
-        through = make_url(cluster.url()).set(host="127.0.0.1", port=haproxy.port, query={})
+        password = cluster.superuser_password
+        through = make_url(f"postgresql://postgres:{password}@127.0.0.1:{haproxy.port}/store")
         bouncer = PgBouncer(through, "postgres", pool_size=4).wait_until_serving()
         env = {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"}
         for database, environment in [
