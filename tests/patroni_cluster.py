@@ -395,22 +395,25 @@ class PatroniCluster:
             timeout=60,
         ).stdout
 
+    def strict(self) -> bool:
+        """Whether the cluster's settings, as the leader's Patroni has them, say strict."""
+        leader = self.wait_for_leader(None)
+        config = requests.get(f"{leader.api}/config", timeout=5).json()
+        return config.get("synchronous_mode_strict", False) is True
+
     def set_strict(self, strict: bool, timeout: float = 30) -> None:
         """Set synchronous_mode_strict in the cluster's settings (patronictl edit-config), and
         wait for the leader's Patroni to have it."""
+        if self.strict() is strict:
+            return
         value = "true" if strict else "false"
         self.patronictl("edit-config", "--set", f"synchronous_mode_strict={value}", "--force")
         deadline = time.monotonic() + timeout
-        while True:
-            leader = self.leader()
-            if leader is not None:
-                config = requests.get(f"{leader.api}/config", timeout=1).json()
-                if config.get("synchronous_mode_strict", False) is strict:
-                    # Read by the next loop of each node: wait one, with room.
-                    time.sleep(2 * TEST_TIMINGS["loop_wait"])
-                    return
+        while self.strict() is not strict:
             assert time.monotonic() < deadline, "the setting did not reach the leader"
             time.sleep(0.1)
+        # Read by the next loop of each node: wait one, with room.
+        time.sleep(2 * TEST_TIMINGS["loop_wait"])
 
     def url(self, database: str = "store", machines: list[Machine] | None = None) -> str:
         """The service's DATABASE_URL: every machine, libpq's way, the writable one chosen."""
