@@ -112,14 +112,24 @@ def main():
             metrics = f"http://127.0.0.1:{metrics_port}/metrics"
             url = f"{nginx.url}/v1/pets?limit=20"
             # Warm up: imports, caches, connections.
-            run_wrk(url, key, 16, 2, workdir, metrics, service, nginx)
+            run_wrk(url, key, 16, 2, 0, workdir, metrics, service, nginx)
             results = {clients: [] for clients in args.clients}
             for round_number in range(1, args.rounds + 1):
                 load = wait_for_quiet(args.quiet_wait)
                 print(f"  round {round_number} starts at load {load:.2f}")
                 for clients in args.clients:
                     results[clients].append(
-                        run_wrk(url, key, clients, args.duration, workdir, metrics, service, nginx)
+                        run_wrk(
+                            url,
+                            key,
+                            clients,
+                            args.duration,
+                            args.warmup,
+                            workdir,
+                            metrics,
+                            service,
+                            nginx,
+                        )
                     )
                     time.sleep(args.pause)  # the closed connections leave TIME_WAIT
             print_results(results)
@@ -142,10 +152,13 @@ def parse_args():
     )
     parser.add_argument("--backlog", type=int, default=None, help="gunicorn's (the config's)")
     parser.add_argument("--quiet-wait", type=float, default=120)
+    parser.add_argument(
+        "--warmup", type=int, default=WARMUP, help=f"seconds before 2xx are counted ({WARMUP})"
+    )
     args = parser.parse_args()
     args.clients = [int(each) for each in args.clients.split(",")]
-    if args.duration < WARMUP + 5:
-        parser.error(f"--duration: at least {WARMUP + 5} s, {WARMUP} of them to connect")
+    if args.duration < args.warmup + 2:
+        parser.error(f"--duration: at least {args.warmup + 2} s, {args.warmup} of them to connect")
     if 16 not in args.clients:
         parser.error("the ratios are to 16 clients: include 16")
     if args.backlog is None:
@@ -225,7 +238,7 @@ def children_of(pid) -> list[int]:
     ]
 
 
-def run_wrk(url, key, clients, duration, workdir, metrics_url, service, nginx) -> dict:
+def run_wrk(url, key, clients, duration, warmup, workdir, metrics_url, service, nginx) -> dict:
     """Drive the list with wrk; return its figures, the queue's, and each party's CPU time per
     2xx answer (gunicorn's master and workers, nginx's workers, wrk: they share the cores)."""
     watch = QueueWatch(metrics_url)
@@ -233,7 +246,7 @@ def run_wrk(url, key, clients, duration, workdir, metrics_url, service, nginx) -
     gunicorn_pids = [service.process.pid, *service.worker_pids()]
     nginx_pids = children_of(nginx.process.pid)
     cpu_before = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
-    run = wrk.run(url, key, clients, duration, workdir, warmup=min(WARMUP, duration - 2))
+    run = wrk.run(url, key, clients, duration, workdir, warmup=warmup)
     seen = watch.finish()
     cpu_after = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
     cpu = [
@@ -241,7 +254,7 @@ def run_wrk(url, key, clients, duration, workdir, metrics_url, service, nginx) -
         for before, after in zip(cpu_before, cpu_after, strict=True)
     ]
     return {
-        "ok_per_second": run.steady / max(duration - WARMUP - 1, 1),
+        "ok_per_second": run.steady / max(duration - warmup - 1, 1),
         "whole_run": run.ok / run.seconds,
         "cpu": cpu,
         "statuses": run.statuses,
