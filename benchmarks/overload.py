@@ -7,7 +7,8 @@ core), and drives the list through TLS with wrk, one keep-alive connection per c
 client from 127.0.0.1, which the run lists in the site's `geo` block as uncapped (a gateway's
 address, as docs/deploy.rst allows). For each number of clients it prints the 2xx answers per
 second and their ratio to 16 clients' (measured in the same run, round after round), the answers
-by status, those without Retry-After or a JSON body, wrk's socket errors by kind, p50 and p99,
+by status, those without Retry-After or a JSON body, wrk's socket errors by kind, p50 and p99
+(wrk's, of the whole run; and nginx's request_time once every client has connected),
 and what the metrics listener saw: the most connections waiting in gunicorn's listen queue, the
 requests shed, and the connections the kernel dropped for a full queue.
 
@@ -26,6 +27,7 @@ nginx, openssl, redis-server): rate limits are counted in a Redis of the run's o
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -246,6 +248,9 @@ def run_wrk(url, key, clients, duration, warmup, workdir, metrics_url, service, 
     gunicorn_pids = [service.process.pid, *service.worker_pids()]
     nginx_pids = children_of(nginx.process.pid)
     cpu_before = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
+    log = nginx.directory / "access.log"
+    log_offset = log.stat().st_size if log.exists() else 0
+    counted_from = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=warmup)
     run = wrk.run(url, key, clients, duration, workdir, warmup=warmup)
     seen = watch.finish()
     cpu_after = process_cpu(gunicorn_pids), process_cpu(nginx_pids), wrk_cpu()
@@ -262,8 +267,23 @@ def run_wrk(url, key, clients, duration, warmup, workdir, metrics_url, service, 
         "errors": run.errors,
         "p50": run.percentiles.get(50, 0.0),
         "p99": run.percentiles.get(99, 0.0),
+        "steady_p99": steady_p99(log, log_offset, counted_from),
         **seen,
     }
+
+
+def steady_p99(log: Path, offset: int, since: datetime.datetime) -> float:
+    """p99 of nginx's request_time (from the request's first byte to the answer's last: the queue
+    included, the client's handshake and wrk's own delays not) of the requests logged from
+    `since` on, in the access log past `offset`."""
+    with log.open("rb") as lines:
+        lines.seek(offset)
+        times = [
+            entry["request_time"]
+            for entry in map(json.loads, lines)
+            if datetime.datetime.fromisoformat(entry["time"]) >= since
+        ]
+    return statistics.quantiles(times, n=100)[98] if len(times) > 1 else 0.0
 
 
 def wrk_cpu() -> float:
@@ -275,7 +295,8 @@ def print_results(results):
     base = results[16]
     print()
     print(
-        f"{'clients':>8}{'2xx/s':>9}{'(whole)':>9}{'ratio':>7}{'p50 s':>8}{'p99 s':>8}{'queue':>7}"
+        f"{'clients':>8}{'2xx/s':>9}{'(whole)':>9}{'ratio':>7}{'p50 s':>8}{'p99 s':>8}"
+        f"{'(steady)':>9}{'queue':>7}"
         f"{'shed':>7}{'drops':>7}{'scrape s':>9}{'CPU ms/2xx: gunicorn nginx wrk':>32}"
         "  answers; socket errors"
     )
@@ -301,6 +322,7 @@ def print_results(results):
             f"{clients:>8}{statistics.median(r['ok_per_second'] for r in runs):>9.0f}"
             f"{statistics.median(r['whole_run'] for r in runs):>9.0f}"
             f"{ratio:>7.2f}{statistics.median(r['p50'] for r in runs):>8.3f}{p99:>8.3f}"
+            f"{max(r['steady_p99'] for r in runs):>9.3f}"
             f"{max(r['queue'] for r in runs):>7.0f}{sum(r['shed'] for r in runs):>7.0f}"
             f"{sum(r['overflows'] for r in runs):>7.0f}{max(r['scrape'] for r in runs):>9.3f}"
             f"{cpu}  {json.dumps(statuses)}; {json.dumps({k: v for k, v in errors.items() if v})}"
