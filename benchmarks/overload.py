@@ -316,6 +316,8 @@ def print_results(results):
         bare = sum(run["bare"] for run in runs)
         cpu = "".join(
             f"{statistics.median(run['cpu'][part] for run in runs):>{width}.3f}"
+            if any(run["ok_per_second"] for run in runs)
+            else f"{'-':>{width}}"  # no answer to share the CPU among
             for part, width in ((0, 18), (1, 7), (2, 7))
         )
         print(
