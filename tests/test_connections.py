@@ -5,18 +5,27 @@ in a way the service does not take gets the same refusal on every path.
 
 A raw HTTP/1.1 client, so that what happens on the connection is what the test sees: a library
 would reconnect behind its back.
+
+Every test sends requests and reads the answers on connections of its own, so all of them share one
+gunicorn (a boot each was most of this module's time), on a database of the module's; nginx, whose
+upstream is marked failed for 10 s after one error (max_fails), is started afresh for each test, so
+one test's failure cannot become the next one's.
 """
 
 import contextlib
 import json
+import shutil
 import socket
 import ssl
 import threading
 
 import pytest
+import sqlalchemy as sa
+from conftest import TEST_DATABASE_URL, Gunicorn
 from werkzeug.serving import make_server
 
 from animal_store import errors
+from animal_store.extensions import db
 
 LIMIT = 64 * 1024
 SIZES = [1024, LIMIT, LIMIT + 1, 200_000, 2_000_000]
@@ -212,18 +221,52 @@ def check_connection_after_unread_body(port, api_key, case, behind_nginx, tls_co
                 connection.close()
 
 
+@pytest.fixture(scope="module")
+def module_database(migrated_database, tmp_path_factory):
+    """The database of the module's gunicorn: a copy of the migrated SQLite template, or the
+    suite's PostgreSQL database (emptied before each test, as ever, by conftest's database_url)."""
+    if TEST_DATABASE_URL:
+        return TEST_DATABASE_URL
+    copy = tmp_path_factory.mktemp("connections") / "store.sqlite3"
+    shutil.copyfile(migrated_database, copy)
+    return f"sqlite:///{copy}"
+
+
+@pytest.fixture
+def database_url(database_url, module_database):
+    """Every test's app (its key, its count of animals) on the module's database, the one the
+    shared gunicorn serves, emptied first: on PostgreSQL conftest's database_url has done it."""
+    if not TEST_DATABASE_URL:
+        engine = sa.create_engine(module_database)
+        with engine.begin() as connection:
+            for table in reversed(db.metadata.sorted_tables):
+                connection.execute(table.delete())
+        engine.dispose()
+    return module_database
+
+
+@pytest.fixture(scope="module")
+def shared_gunicorn(module_database, tmp_path_factory):
+    """One gunicorn worker for the module: a sync worker closes or answers each connection before
+    it takes the next, so no test's requests meet another's."""
+    log_path = tmp_path_factory.mktemp("connections-gunicorn") / "gunicorn.log"
+    server = Gunicorn(module_database, workers=1, log_path=log_path)
+    try:
+        yield server.wait_until_serving()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("case", UNREAD)
-def test_gunicorn_keeps_its_word_after_an_unread_body(start_gunicorn, api_key, case):
-    server = start_gunicorn(workers=1)
-    check_connection_after_unread_body(server.port, api_key, case, behind_nginx=False)
+def test_gunicorn_keeps_its_word_after_an_unread_body(shared_gunicorn, api_key, case):
+    check_connection_after_unread_body(shared_gunicorn.port, api_key, case, behind_nginx=False)
 
 
 @pytest.mark.parametrize("case", UNREAD)
 def test_nginx_keeps_the_clients_connection_after_an_unread_body(
-    start_gunicorn, start_nginx, certificate, api_key, case
+    shared_gunicorn, start_nginx, certificate, api_key, case
 ):
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([gunicorn.url.removeprefix("http://")])
+    nginx = start_nginx([shared_gunicorn.url.removeprefix("http://")])
     context = ssl.create_default_context(cafile=str(certificate[0]))
     check_connection_after_unread_body(nginx.https_port, api_key, case, True, context)
 
@@ -232,7 +275,7 @@ def test_nginx_keeps_the_clients_connection_after_an_unread_body(
 def server_port(request, app):
     """The port of gunicorn, or of the threaded development server (`flask run`, quickstart)."""
     if request.param == "gunicorn":
-        yield request.getfixturevalue("start_gunicorn")(workers=1).port
+        yield request.getfixturevalue("shared_gunicorn").port
         return
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
