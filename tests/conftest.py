@@ -345,6 +345,31 @@ def start_gunicorn(database_url, tmp_path):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def module_database(migrated_database, tmp_path_factory):
+    """A database for servers that outlive a test (module_gunicorn): a copy of the migrated
+    SQLite template, or the suite's PostgreSQL database, which database_url empties before each
+    test that takes it."""
+    if TEST_DATABASE_URL:
+        return TEST_DATABASE_URL
+    copy = tmp_path_factory.mktemp("module-database") / "store.sqlite3"
+    shutil.copyfile(migrated_database, copy)
+    return f"sqlite:///{copy}"
+
+
+@pytest.fixture(scope="module")
+def module_gunicorn(module_database, tmp_path_factory):
+    """One gunicorn worker on module_database for a module's tests, where what each proves does
+    not depend on a fresh server (its boot is seconds: one a test was most of such a module's
+    time); stopped by PID after the module."""
+    log_path = tmp_path_factory.mktemp("module-gunicorn") / "gunicorn.log"
+    server = Gunicorn(module_database, workers=1, log_path=log_path)
+    try:
+        yield server.wait_until_serving()
+    finally:
+        server.stop()
+
+
 # What a release is made of, as gunicorn and `flask` load it from its directory.
 RELEASE_FILES = ("animal_store", "config", "wsgi.py")
 # A distribution no environment has: what a release that needs one not installed imports.

@@ -14,14 +14,13 @@ one test's failure cannot become the next one's.
 
 import contextlib
 import json
-import shutil
 import socket
 import ssl
 import threading
 
 import pytest
 import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL, Gunicorn
+from conftest import TEST_DATABASE_URL
 from werkzeug.serving import make_server
 
 from animal_store import errors
@@ -221,21 +220,11 @@ def check_connection_after_unread_body(port, api_key, case, behind_nginx, tls_co
                 connection.close()
 
 
-@pytest.fixture(scope="module")
-def module_database(migrated_database, tmp_path_factory):
-    """The database of the module's gunicorn: a copy of the migrated SQLite template, or the
-    suite's PostgreSQL database (emptied before each test, as ever, by conftest's database_url)."""
-    if TEST_DATABASE_URL:
-        return TEST_DATABASE_URL
-    copy = tmp_path_factory.mktemp("connections") / "store.sqlite3"
-    shutil.copyfile(migrated_database, copy)
-    return f"sqlite:///{copy}"
-
-
 @pytest.fixture
 def database_url(database_url, module_database):
-    """Every test's app (its key, its count of animals) on the module's database, the one the
-    shared gunicorn serves, emptied first: on PostgreSQL conftest's database_url has done it."""
+    """Every test's app (its key, its count of animals) on the database module_gunicorn serves,
+    emptied first (on PostgreSQL conftest's database_url has done it): a sync worker answers or
+    closes a connection before it takes the next, so no test's requests meet another's."""
     if not TEST_DATABASE_URL:
         engine = sa.create_engine(module_database)
         with engine.begin() as connection:
@@ -245,28 +234,16 @@ def database_url(database_url, module_database):
     return module_database
 
 
-@pytest.fixture(scope="module")
-def shared_gunicorn(module_database, tmp_path_factory):
-    """One gunicorn worker for the module: a sync worker closes or answers each connection before
-    it takes the next, so no test's requests meet another's."""
-    log_path = tmp_path_factory.mktemp("connections-gunicorn") / "gunicorn.log"
-    server = Gunicorn(module_database, workers=1, log_path=log_path)
-    try:
-        yield server.wait_until_serving()
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("case", UNREAD)
-def test_gunicorn_keeps_its_word_after_an_unread_body(shared_gunicorn, api_key, case):
-    check_connection_after_unread_body(shared_gunicorn.port, api_key, case, behind_nginx=False)
+def test_gunicorn_keeps_its_word_after_an_unread_body(module_gunicorn, api_key, case):
+    check_connection_after_unread_body(module_gunicorn.port, api_key, case, behind_nginx=False)
 
 
 @pytest.mark.parametrize("case", UNREAD)
 def test_nginx_keeps_the_clients_connection_after_an_unread_body(
-    shared_gunicorn, start_nginx, certificate, api_key, case
+    module_gunicorn, start_nginx, certificate, api_key, case
 ):
-    nginx = start_nginx([shared_gunicorn.url.removeprefix("http://")])
+    nginx = start_nginx([module_gunicorn.url.removeprefix("http://")])
     context = ssl.create_default_context(cafile=str(certificate[0]))
     check_connection_after_unread_body(nginx.https_port, api_key, case, True, context)
 
@@ -275,7 +252,7 @@ def test_nginx_keeps_the_clients_connection_after_an_unread_body(
 def server_port(request, app):
     """The port of gunicorn, or of the threaded development server (`flask run`, quickstart)."""
     if request.param == "gunicorn":
-        yield request.getfixturevalue("shared_gunicorn").port
+        yield request.getfixturevalue("module_gunicorn").port
         return
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
