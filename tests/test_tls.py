@@ -149,13 +149,16 @@ def silent_upstream():
 
 
 @pytest.fixture
-def https_answer(start_gunicorn, start_nginx, silent_upstream, tls_context):
-    """Return nginx's answer of one kind (HTTPS_ANSWERS) over TLS."""
+def https_answer(request, start_nginx, silent_upstream, tls_context):
+    """Return nginx's answer of one kind (HTTPS_ANSWERS) over TLS. The app's answers come from
+    the module's gunicorn: each is one request on a connection of its own, from a nginx of the
+    test's own."""
 
     def answer(kind):
         upstream, options, sent, status = HTTPS_ANSWERS[kind]
         if upstream == "gunicorn":
-            address = start_gunicorn(workers=1).url.removeprefix("http://")
+            gunicorn = request.getfixturevalue("module_gunicorn")
+            address = gunicorn.url.removeprefix("http://")
         elif upstream == "silent":
             address = silent_upstream
         else:
@@ -312,16 +315,16 @@ def test_tls12_sessions_get_no_ticket_and_resume_from_the_cache(start_nginx, tls
 
 @pytest.mark.skipif(TESTSSL is None, reason="testssl.sh is not installed (Debian: testssl.sh)")
 @pytest.mark.skipif(
-    bool(TEST_DATABASE_URL),
-    reason="runs in the pass without TEST_DATABASE_URL: the scan is of nginx's TLS, the same on "
-    "either database, and takes the better part of a minute",
+    not TEST_DATABASE_URL,
+    reason="runs in the pass with TEST_DATABASE_URL: the scan is of nginx's TLS, the same on "
+    "either database, and takes the better part of a minute; the pass without it runs the tests "
+    "that start PostgreSQL clusters of their own, and was the longer of the two by minutes",
 )
-def test_testssl_finds_nothing_low_or_worse(start_gunicorn, start_nginx, tmp_path):
+def test_testssl_finds_nothing_low_or_worse(module_gunicorn, start_nginx, tmp_path):
     """testssl.sh on nginx from the shipped file, the app behind it: no finding of severity LOW
     or worse but the exempt ones (EXEMPT, the certificate's), no version in the Server banner and
     no session ticket extension (both reported as INFO)."""
-    gunicorn = start_gunicorn(workers=1)
-    nginx = start_nginx([gunicorn.url.removeprefix("http://")])
+    nginx = start_nginx([module_gunicorn.url.removeprefix("http://")])
     report = tmp_path / "testssl.json"
     command = [TESTSSL, "--jsonfile", str(report), "--quiet", "--warnings", "off", "--color", "0"]
     command += ["-n", "none", "--ip", "127.0.0.1", *TESTSSL_CHECKS]
