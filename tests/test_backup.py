@@ -22,6 +22,7 @@ from alembic.script import ScriptDirectory
 from conftest import PROJECT_DIR, TEST_DATABASE_URL, Gunicorn, migrate_to_head
 from postgres_cluster import BINDIR, PostgresCluster
 
+from animal_store import create_app
 from animal_store.extensions import db
 
 on_sqlite = pytest.mark.skipif(
@@ -40,6 +41,20 @@ def flask(database_url, *args, env=None):
         text=True,
         timeout=120,
     )
+
+
+def in_process(database_url, *args):
+    """Run `flask ...` in this process, for a test's setup (its animals, its key, the backup it
+    restores): a process of its own is what the command under test gets, and each one is seconds
+    of importing the app on a busy machine. Asserts it succeeded; returns its output."""
+    app = create_app({"DATABASE_URL": database_url})
+    try:
+        result = app.test_cli_runner().invoke(args=list(args))
+    finally:
+        with app.app_context():
+            db.engine.dispose()  # a restore refuses while other sessions are connected
+    assert result.exit_code == 0, (args, result.output, result.exception)
+    return result.output
 
 
 def ids_in(path):
@@ -207,7 +222,7 @@ def test_bad_paths_are_refused_with_a_message_and_change_nothing(
 
 @on_sqlite
 def test_restore_into_a_directory_that_is_gone_says_so(database_url, tmp_path):
-    assert flask(database_url, "backup", str(tmp_path / "backup.sqlite3")).returncode == 0
+    in_process(database_url, "backup", str(tmp_path / "backup.sqlite3"))
     gone = tmp_path / "gone" / "store.sqlite3"
     result = flask(f"sqlite:///{gone}", "restore", str(tmp_path / "backup.sqlite3"))
     assert result.returncode == 1
@@ -220,7 +235,7 @@ def test_restore_into_a_directory_that_is_gone_says_so(database_url, tmp_path):
 
 @on_sqlite
 def test_restore_into_a_database_in_memory_says_so(database_url, tmp_path):
-    assert flask(database_url, "backup", str(tmp_path / "backup.sqlite3")).returncode == 0
+    in_process(database_url, "backup", str(tmp_path / "backup.sqlite3"))
     result = flask("sqlite://", "restore", str(tmp_path / "backup.sqlite3"))
     assert result.returncode == 1
     assert "Error: The database is in memory (sqlite://): it has no file to restore." in (
@@ -309,8 +324,8 @@ def test_postgres_backup_and_restore_with_a_password_role(
     assert no_schema.returncode == 1
     assert "run `flask --app animal_store db upgrade`" in no_schema.stderr
     migrate_to_head(url)
-    assert flask(url, "seed", "3").returncode == 0
-    key = flask(url, "keys", "create", "shop").stdout.strip().splitlines()[-1]
+    in_process(url, "seed", "3")
+    key = in_process(url, "keys", "create", "shop").strip().splitlines()[-1]
 
     dump = tmp_path / "store.dump"
     backup = flask(url, "backup", str(dump), env={"PATH": path, "PGPASSWORD": "wrong"})
@@ -320,7 +335,7 @@ def test_postgres_backup_and_restore_with_a_password_role(
     assert "pg_restore --list reads" in backup.stdout
     assert "with the data of alembic_version, api_keys, idempotency_records, pets" in backup.stdout
     assert stat.S_IMODE(dump.stat().st_mode) == 0o600
-    assert flask(url, "seed", "2").returncode == 0
+    in_process(url, "seed", "2")
     assert count_animals(keywords) == 5
 
     # While the service is connected, a restore is refused and changes nothing.
@@ -392,10 +407,10 @@ def store_and_backup(password_cluster, directory):
     """Make a store whose backup (returned last) holds 3 animals and that now holds 5."""
     url, keywords = make_store(password_cluster)
     migrate_to_head(url)
-    assert flask(url, "seed", "3").returncode == 0
+    in_process(url, "seed", "3")
     dump = directory / "store.dump"
     assert flask(url, "backup", str(dump)).returncode == 0, "backup"
-    assert flask(url, "seed", "2").returncode == 0
+    in_process(url, "seed", "2")
     return url, keywords, dump
 
 
@@ -545,7 +560,7 @@ def test_postgres_refusals_say_why_and_change_nothing(password_cluster, store, t
     command, make_path, env, message = case
     url, keywords = store
     migrate_to_head(url)
-    assert flask(url, "seed", "2").returncode == 0
+    in_process(url, "seed", "2")
     (tmp_path / "existing").write_bytes(b"keep me")
     path = make_path(password_cluster, tmp_path)
     before = sorted(tmp_path.rglob("*"))
