@@ -324,9 +324,10 @@ def raw_exchange(port, request_line, header_lines) -> tuple[int, dict[str, str]]
     ids=OWN_REFUSALS.keys(),
 )
 def test_gunicorns_own_refusals_carry_a_request_id_its_log_line_names(
-    start_gunicorn, request_line, header_lines, status, parsed
+    module_gunicorn, request_line, header_lines, status, parsed
 ):
-    server = start_gunicorn(workers=1)
+    # One request on a connection of its own to the module's gunicorn: its log from here on.
+    server, since = module_gunicorn, len(module_gunicorn.log())
     sent = [f"X-Request-ID: {CLIENT_ID}", *header_lines]
     answered, headers = raw_exchange(server.port, request_line, sent)
     assert answered == status
@@ -337,11 +338,13 @@ def test_gunicorns_own_refusals_carry_a_request_id_its_log_line_names(
         assert re.fullmatch(r"[0-9a-f]{32}", request_id)
     # gunicorn's warning about the refusal names the same ID.
     deadline = time.monotonic() + 30
-    while f'"request_id":"{request_id}"' not in server.log() and time.monotonic() < deadline:
+    while (
+        f'"request_id":"{request_id}"' not in server.log()[since:] and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     named = [
         record
-        for record in map(json.loads, re.findall(r"^{.*}$", server.log(), re.MULTILINE))
+        for record in map(json.loads, re.findall(r"^{.*}$", server.log()[since:], re.MULTILINE))
         if record.get("request_id") == request_id
     ]
     assert [record["message"][:16] for record in named] == ["Invalid request "]
