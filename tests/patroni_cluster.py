@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
-from postgres_cluster import BINDIR, running, signal_child, state
+from postgres_cluster import BINDIR, psql_options, running, signal_child, state
 
 PATRONI = shutil.which("patroni")
 PATRONICTL = shutil.which("patronictl")
@@ -430,20 +430,7 @@ class PatroniCluster:
             [
                 *as_postgres,
                 str(BINDIR / "psql"),
-                "--host",
-                str(machine.directory),
-                "--port",
-                str(machine.postgres_port),
-                "--username",
-                "postgres",
-                "--dbname",
-                database,
-                "--no-psqlrc",
-                "--quiet",
-                "--tuples-only",
-                "--no-align",
-                "--set",
-                "ON_ERROR_STOP=1",
+                *psql_options(machine.directory, machine.postgres_port, database),
             ],
             input=statements,
             check=True,

@@ -46,6 +46,28 @@ def find_bindir() -> Path | None:
 
 BINDIR = find_bindir()
 
+
+def psql_options(socket_directory: Path, port: int, database: str) -> list[str]:
+    """psql's options to run SQL from stdin as postgres over a cluster's Unix socket: the
+    values alone, unaligned, stopping at the first error."""
+    return [
+        "--host",
+        str(socket_directory),
+        "--port",
+        str(port),
+        "--username",
+        "postgres",
+        "--dbname",
+        database,
+        "--no-psqlrc",
+        "--quiet",
+        "--tuples-only",
+        "--no-align",
+        "--set",
+        "ON_ERROR_STOP=1",
+    ]
+
+
 # initdb's data directory and superuser password for each authentication (passwords or not),
 # made once per process and copied for each cluster after: a copy takes a fraction of initdb's
 # time, and the suite starts a cluster in dozens of tests. Each copy is a cluster of its own
@@ -241,22 +263,7 @@ class PostgresCluster:
         """Run SQL as the superuser over the Unix socket (no password), from stdin, so a
         password in it is on no command line; return psql's unaligned output."""
         return self.run(
-            "psql",
-            "--host",
-            str(self.directory),
-            "--port",
-            str(self.port),
-            "--username",
-            "postgres",
-            "--dbname",
-            database,
-            "--no-psqlrc",
-            "--quiet",
-            "--tuples-only",
-            "--no-align",
-            "--set",
-            "ON_ERROR_STOP=1",
-            stdin=statements,
+            "psql", *psql_options(self.directory, self.port, database), stdin=statements
         )
 
     def database_url(self, name: str) -> str:

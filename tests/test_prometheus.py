@@ -173,6 +173,26 @@ def within(seconds: float, what: str, condition):
     raise AssertionError(f"not within {seconds}s: {what}")
 
 
+def wait_for_firing(prometheus, name: str, seconds: float, since: str, each_poll) -> dict:
+    """Return the alert `name` once Prometheus has it firing, calling `each_poll` with every
+    poll's active alerts; fail, naming the active ones, after `seconds`."""
+
+    def firing():
+        alerts = prometheus.alerts()
+        each_poll(alerts)
+        return next(
+            (a for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"),
+            None,
+        )
+
+    try:
+        return within(seconds, f"{name} firing", firing)
+    except AssertionError:
+        raise AssertionError(
+            f"{name} did not fire within {seconds}s of {since}; active: {prometheus.alerts()}"
+        ) from None
+
+
 def unix(timestamp: str) -> float:
     """Seconds since the epoch of Prometheus' RFC 3339 time, nanoseconds and all."""
     timestamp = re.sub(r"(\.\d{6})\d*", r"\1", timestamp).replace("Z", "+00:00")
@@ -347,24 +367,13 @@ def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
     others = set()
     try:
 
-        def firing():
+        def each_poll(alerts):
             assert store.list_pets() == 200  # the store serves on
-            alerts = prometheus.alerts()
             others.update(
                 a["labels"]["alertname"] for a in alerts if a["labels"]["alertname"] != ALERT
             )
-            return next(
-                (a for a in alerts if a["labels"]["alertname"] == ALERT and a["state"] == "firing"),
-                None,
-            )
 
-        try:
-            alert = within(FIRING_WITHIN, f"{ALERT} firing", firing)
-        except AssertionError:
-            raise AssertionError(
-                f"{ALERT} did not fire within {FIRING_WITHIN}s of Redis frozen; active: "
-                f"{prometheus.alerts()}"
-            ) from None
+        alert = wait_for_firing(prometheus, ALERT, FIRING_WITHIN, "Redis frozen", each_poll)
         fired = time.time()
         degraded = prometheus.api("query", query=f'{degraded_seconds}{{job="{JOB}"}}')["result"]
     finally:
@@ -472,26 +481,13 @@ def test_a_saturated_instance_fires_saturated_and_answers_every_scrape(
             client.start()
         try:
 
-            def firing():
-                alerts = prometheus.alerts()
+            def each_poll(alerts):
                 seen.update(a["labels"]["alertname"] for a in alerts)
                 assert not seen & set(down), seen  # at once, not after the wait
-                return next(
-                    (
-                        a
-                        for a in alerts
-                        if a["labels"]["alertname"] == SATURATED and a["state"] == "firing"
-                    ),
-                    None,
-                )
 
-            try:
-                alert = within(SATURATED_WITHIN, f"{SATURATED} firing", firing)
-            except AssertionError:
-                raise AssertionError(
-                    f"{SATURATED} did not fire within {SATURATED_WITHIN}s of saturation; "
-                    f"active: {prometheus.alerts()}"
-                ) from None
+            alert = wait_for_firing(
+                prometheus, SATURATED, SATURATED_WITHIN, "saturation", each_poll
+            )
             fired = time.time()
             # A scrape and an evaluation after, with the clients still waiting, and the instance
             # saturated HELD_FOR at least: Down stays quiet.
