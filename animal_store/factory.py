@@ -58,7 +58,7 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, init_shedding(app), *start_deadline, refuse_unsupported_framing),
+        before=(start_timer, *init_shedding(app), *start_deadline, refuse_unsupported_framing),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),

@@ -48,18 +48,19 @@ def queued_since(stamp: str) -> float | None:
     return since if math.isfinite(since) else None
 
 
-def init_shedding(app: Flask) -> Callable[[], None]:
+def init_shedding(app: Flask) -> tuple[Callable[[], None], ...]:
     """Return the before-request step that sheds a request queued longer than
-    REQUEST_QUEUE_TIMEOUT (0: never)."""
+    REQUEST_QUEUE_TIMEOUT, or none where it is 0 (never)."""
     timeout = settings(app).REQUEST_QUEUE_TIMEOUT
 
     def shed_stale_request() -> None:
-        stamp = request.headers.get("X-Request-Start")
-        if stamp is None or not timeout:
+        # From the WSGI environ: the headers' view would cost every request its construction.
+        stamp = request.environ.get("HTTP_X_REQUEST_START")
+        if stamp is None:
             return
         since = queued_since(stamp)
         if since is not None and time.time() - since > timeout:
             g.request_shed = True
             raise OVERLOADED(headers={"Retry-After": RETRY_AFTER})
 
-    return shed_stale_request
+    return (shed_stale_request,) if timeout else ()
