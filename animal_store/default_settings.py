@@ -81,8 +81,8 @@ DATABASE_RETRY_AFTER = 5
 
 # A request that waited longer than this many seconds for a worker (from nginx's X-Request-Start)
 # is answered 503 at once (animal_store/shedding.py): well above the wait of a surge the workers
-# hold (2.6 s at 4,096 clients on 2 workers, docs/deploy.rst), well below nginx's 35 s and the
-# time most clients wait. 0 sheds nothing.
+# hold (a p99 of 1.9 s at 4,096 clients on 2 workers, 3.3 s on shared cores: docs/deploy.rst,
+# Overload), well below nginx's 35 s and the time most clients wait. 0 sheds nothing.
 REQUEST_QUEUE_TIMEOUT = 10
 
 # Level of the JSON log lines on stdout; INFO includes one line per request.
