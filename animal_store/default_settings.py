@@ -18,7 +18,7 @@ SQLITE_BUSY_TIMEOUT = 5.0
 SQLALCHEMY_ENGINE_OPTIONS = {"pool_pre_ping": True}
 
 # PostgreSQL only: seconds after its start by which a request's database work is over, the
-# database answering or not; then the request is answered 503 (animal_store/deadlines.py). Well
+# database answering or not; then the request is answered 503 (animal_store/data/deadlines.py). Well
 # under gunicorn's 30 s timeout, which nginx's proxy_read_timeout outlasts (docs/deploy.rst).
 DATABASE_DEADLINE = 5
 # The server's and libpq's own limits, none longer than the deadline, for the command line
@@ -31,8 +31,8 @@ DATABASE_STATEMENT_TIMEOUT = 4
 # ... and seconds a request waits for a free pooled connection (only a threaded server ever
 # waits: a sync worker serves one request at a time, with connections to spare).
 DATABASE_POOL_TIMEOUT = 5
-# Bytes of answers each worker keeps to send again (animal_store/answers.py): an animal's, a full
-# page's; 0 keeps none.
+# Bytes of answers each worker keeps to send again (animal_store/data/answers.py): an animal's, a
+# full page's; 0 keeps none.
 ANSWER_CACHE_BYTES = 8 * 1024 * 1024
 # PostgreSQL through PgBouncer in transaction pooling (config/pgbouncer.ini): no server-side
 # prepared statements (psycopg makes them for a query run five times on one connection, and the
@@ -80,9 +80,10 @@ READYZ_TIMEOUT = 0.3
 DATABASE_RETRY_AFTER = 5
 
 # A request that waited longer than this many seconds for a worker (from nginx's X-Request-Start)
-# is answered 503 at once (animal_store/shedding.py): well above the wait of a surge the workers
-# hold (a p99 of 1.9 s at 4,096 clients on 2 workers, 3.3 s on shared cores: docs/deploy.rst,
-# Overload), well below nginx's 35 s and the time most clients wait. 0 sheds nothing.
+# is answered 503 at once (animal_store/serving/shedding.py): well above the wait of a surge the
+# workers hold (a p99 of 1.9 s at 4,096 clients on 2 workers, 3.3 s on shared cores:
+# docs/deploy.rst, Overload), well below nginx's 35 s and the time most clients wait. 0 sheds
+# nothing.
 REQUEST_QUEUE_TIMEOUT = 10
 
 # Level of the JSON log lines on stdout; INFO includes one line per request.

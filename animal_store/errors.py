@@ -6,7 +6,6 @@ error responses, the error responses of the OpenAPI document, the error table of
 gunicorn's answers to requests it cannot parse and nginx's error bodies (`flask nginx-errors`).
 """
 
-import re
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from typing import Any, cast
 
 import orjson
 from flask import Flask, Response, current_app, g, request
-from sqlalchemy import URL
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import (
     ClientDisconnected,
@@ -24,7 +22,15 @@ from werkzeug.exceptions import (
     MethodNotAllowed,
 )
 
-from animal_store.database_faults import log_fault, remember_full_disk
+from animal_store.data.database_faults import (
+    READ_ONLY_SQL_TRANSACTION,
+    first_line,
+    is_login_refusal,
+    is_read_only_refusal,
+    log_fault,
+    login_refused,
+    remember_full_disk,
+)
 from animal_store.extensions import db, settings
 from animal_store.schemas import ErrorSchema
 from animal_store.settings_schema import Settings
@@ -319,22 +325,7 @@ SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "loc
 # How the drivers name a unique constraint's refusal: PostgreSQL's SQLSTATE, SQLite's extended
 # result codes (Python's sqlite3 says them by name).
 UNIQUE_VIOLATION = "23505"
-# PostgreSQL's refusal of a write by a server that takes only reads: a hot standby, a primary
-# demoted to one, a database with default_transaction_read_only.
-READ_ONLY_SQL_TRANSACTION = "25006"
 SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
-# SQLSTATE class 28, invalid authorization specification: a wrong password (28P01), or a role,
-# database or address that pg_hba.conf does not let in (28000). The configuration is wrong: it
-# does not pass as an outage does.
-LOGIN_REFUSED_CLASS = "28"
-# libpq gives a failed connection no SQLSTATE, only the server's message: these are class 28's
-# at login (PostgreSQL's and PgBouncer's), and libpq's own when it has no password to give. In
-# English, the server's lc_messages of C or en: in another language a refused login is told
-# as a database that cannot be reached, with the driver's message.
-LOGIN_REFUSALS = re.compile(
-    r"password authentication failed|no pg_hba\.conf entry|pg_hba\.conf rejects"
-    r"|is not permitted to log in|role \".*\" does not exist|no password supplied"
-)
 # A table or index that cannot grow: PostgreSQL's disk_full, SQLite's SQLITE_FULL.
 DISK_FULL = "53100"
 SQLITE_FULL = "SQLITE_FULL"
@@ -474,11 +465,6 @@ def is_database_outage(error: BaseException) -> bool:
     return True
 
 
-def is_read_only_refusal(error: BaseException) -> bool:
-    """Tell a write refused by a server that takes only reads (SQLSTATE 25006)."""
-    return getattr(getattr(error, "orig", None), "sqlstate", None) == READ_ONLY_SQL_TRANSACTION
-
-
 def outage_kind(error: BaseException) -> ErrorKind:
     """Tell what keeps the database from serving: a login it refuses, a full disk, a server that
     takes only reads, or one that cannot be reached (the rest)."""
@@ -491,16 +477,6 @@ def outage_kind(error: BaseException) -> ErrorKind:
     if sqlstate == DISK_FULL or getattr(cause, "sqlite_errorname", None) == SQLITE_FULL:
         return DATABASE_FULL
     return DATABASE_UNAVAILABLE
-
-
-def is_login_refusal(error: BaseException) -> bool:
-    """Tell a database that refuses the service's role or password (SQLSTATE class 28)."""
-    cause = getattr(error, "orig", None) or error
-    sqlstate = getattr(cause, "sqlstate", None)
-    if sqlstate is not None:
-        return bool(sqlstate.startswith(LOGIN_REFUSED_CLASS))
-    # (No SQLite message has these words.)
-    return isinstance(error, sa_exc.OperationalError) and bool(LOGIN_REFUSALS.search(str(cause)))
 
 
 def handle_database_outage(error: BaseException) -> ErrorAnswer:
@@ -536,22 +512,6 @@ def report_outage(kind: ErrorKind, cause: BaseException) -> None:
         current_app.logger.warning("Database unavailable: %s: %s", type(cause).__name__, cause)
 
 
-def login_refused(url: URL, cause: BaseException) -> str:
-    """Say which login the database refuses, and why, in the driver's words: the role, the
-    database and the host, never the password."""
-    return (
-        f"The database refuses the login of role {url.username!r} to database {url.database!r} "
-        f"on {url.host}:{url.port or 5432}: {first_line(cause)}. Check DATABASE_URL's user and "
-        "password"
-    )
-
-
-def first_line(cause: BaseException) -> str:
-    # psycopg adds hints and context on the lines after the server's message.
-    lines = str(cause).strip().splitlines()
-    return lines[0] if lines else type(cause).__name__
-
-
 def database_refusal(kind: ErrorKind = DATABASE_UNAVAILABLE) -> APIError:
     """The one answer for a database that cannot serve, /readyz's included: `kind` is one of
     OUTAGE_REASONS' (outage_kind())."""
@@ -562,9 +522,9 @@ def raw_error_response(status: int, request_id: str) -> bytes:
     """Return a whole HTTP/1.1 error response, for a server to send before any app runs.
 
     gunicorn answers requests it cannot parse (header or URL too long, bad chunked framing) on its
-    own (animal_store/gunicorn_errors.py); the message is the catalogue's, never the server's,
-    which may quote what the client sent (a header with a key). `request_id` is the answer's
-    X-Request-ID, as every answer has one.
+    own (animal_store/serving/gunicorn_errors.py); the message is the catalogue's, never the
+    server's, which may quote what the client sent (a header with a key). `request_id` is the
+    answer's X-Request-ID, as every answer has one.
     """
     kind = KIND_OF_STATUS.get(status, BAD_REQUEST)
     body = orjson.dumps(error_body(kind))

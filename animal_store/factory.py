@@ -9,23 +9,26 @@ from typing import Any
 
 from flask import Blueprint, Flask
 
-from animal_store import health, openapi, pets
+from animal_store import openapi, pets
+from animal_store.access import auth
 from animal_store.api import register_api
-from animal_store.body import refuse_unsupported_framing
-from animal_store.cli import register_commands
-from animal_store.database_faults import init_database_faults
-from animal_store.deadlines import init_deadlines
+from animal_store.commands.cli import register_commands
+from animal_store.data import answers, keyset
+from animal_store.data.database_faults import init_database_faults
+from animal_store.data.deadlines import init_deadlines
+from animal_store.data.failover import init_failover
 from animal_store.extensions import db, migrate, tune_sqlite_connections
-from animal_store.failover import init_failover
 from animal_store.hooks import AnimalStore, register_hooks
-from animal_store.json_provider import OrjsonProvider
-from animal_store.logs import configure_logging, log_request, start_timer
-from animal_store.metrics import init_metrics
-from animal_store.proxies import trust_proxies
-from animal_store.request_id import add_request_id_header
-from animal_store.security_headers import security_headers
+from animal_store.http.body import refuse_unsupported_framing
+from animal_store.http.json_provider import OrjsonProvider
+from animal_store.http.proxies import trust_proxies
+from animal_store.http.request_id import add_request_id_header
+from animal_store.http.security_headers import security_headers
+from animal_store.observability import health
+from animal_store.observability.logs import configure_logging, log_request, start_timer
+from animal_store.observability.metrics import init_metrics
+from animal_store.serving.shedding import init_shedding
 from animal_store.settings import load_settings
-from animal_store.shedding import init_shedding
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")
 # The blueprints served under /v1, each inheriting everything the API layer gives (api/).
@@ -49,8 +52,10 @@ def create_app(
     init_database_faults(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     start_deadline = init_deadlines(app)
-    # A key or an answer a worker kept is used only from the database server it came from.
-    policies = register_api(app, resources, before=init_failover(app))
+    # A key, an answer or a settled id a worker kept is used only from the database server it
+    # came from (a new memo of data goes here).
+    confirm_database = init_failover(app, memos=(answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS))
+    policies = register_api(app, resources, before=confirm_database)
     app.register_blueprint(health.bp)
     register_commands(app)
     trust_proxies(app)

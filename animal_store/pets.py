@@ -6,20 +6,21 @@ from typing import cast
 import orjson
 from flask import Response, make_response, url_for
 
-from animal_store import errors, store
-from animal_store.answers import Kept, answers, json_response
+from animal_store import errors
 from animal_store.api import Blueprint, Header
-from animal_store.conditional import conditional
+from animal_store.api.conditional import conditional
+from animal_store.data import store
+from animal_store.data.answers import Kept, answers, json_response
+from animal_store.data.keyset import settled_prefix
+from animal_store.data.pagination import next_page_link, next_page_query
+from animal_store.data.store import NewPet, PetRow
 from animal_store.idempotency import (
     IDEMPOTENT_REPLAYED,
     creation_transaction,
     idempotent,
     remember,
 )
-from animal_store.keyset import settled_prefix
-from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, ListQuery, ListQuerySchema, NewPetSchema, PetSchema
-from animal_store.store import NewPet, PetRow
 
 bp = Blueprint("pets", __name__)
 

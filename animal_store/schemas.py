@@ -15,8 +15,8 @@ from marshmallow import (
     validates_schema,
 )
 
-from animal_store.models import PET_STATUSES
-from animal_store.pagination import CURSOR_SYNTAX, Position, decode_cursor
+from animal_store.data.models import PET_STATUSES
+from animal_store.data.pagination import CURSOR_SYNTAX, Position, decode_cursor
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

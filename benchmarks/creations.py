@@ -129,7 +129,8 @@ def creation_statements(database_url) -> list[str]:
     """The SQL of one creation as the service runs it, values inlined, for pgbench."""
     import sqlalchemy as sa
 
-    from animal_store import create_app, store
+    from animal_store import create_app
+    from animal_store.data import store
     from animal_store.extensions import db
 
     app = create_app({"DATABASE_URL": sqlalchemy_url(database_url), "RATELIMIT_ENABLED": False})

@@ -323,7 +323,7 @@ class Server:
     def metrics_process(proc: Path) -> bool:
         """Whether a child of the master is its metrics listener (ANIMAL_STORE_METRICS_BIND)."""
         try:
-            return b"animal_store.master_metrics" in (proc / "cmdline").read_bytes()
+            return b"animal_store.observability.master_metrics" in (proc / "cmdline").read_bytes()
         except OSError:
             return False
 
@@ -584,7 +584,7 @@ def deep_cursor(database_url) -> str:
     first page, it has a next page, so both carry a Link and do the same work."""
     import sqlalchemy as sa
 
-    from animal_store.pagination import Position, encode_cursor
+    from animal_store.data.pagination import Position, encode_cursor
 
     url = sa.engine.make_url(database_url)
     if url.drivername in ("postgresql", "postgres"):

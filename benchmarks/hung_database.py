@@ -116,7 +116,7 @@ def prepare(checkout, database_url) -> str:
     script = (
         "from flask_migrate import upgrade\n"
         "from animal_store import create_app\n"
-        "from animal_store.auth import issue_key\n"
+        "from animal_store.access.auth import issue_key\n"
         "from animal_store.extensions import db\n"
         f"app = create_app({{'DATABASE_URL': {database_url!r}}})\n"
         "with app.app_context():\n"

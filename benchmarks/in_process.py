@@ -82,9 +82,9 @@ def measure(checkout: Path, animals: int, database_url: str | None) -> dict:
     from werkzeug.test import EnvironBuilder
 
     from animal_store import create_app
-    from animal_store.auth import issue_key
+    from animal_store.access.auth import issue_key
+    from animal_store.commands.seed import seed_pets
     from animal_store.extensions import db
-    from animal_store.seed import seed_pets
 
     database = Path(tempfile.mkdtemp()) / "store.sqlite3"
     settings = {

@@ -20,11 +20,11 @@ import sqlalchemy as sa
 from flask_migrate import upgrade
 
 from animal_store import create_app
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
+from animal_store.commands.seed import seed_pets
+from animal_store.data.models import Pet
+from animal_store.data.pagination import Position, encode_cursor
 from animal_store.extensions import db
-from animal_store.models import Pet
-from animal_store.pagination import Position, encode_cursor
-from animal_store.seed import seed_pets
 
 LIMIT = 20
 

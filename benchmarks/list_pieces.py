@@ -27,11 +27,11 @@ from flask_migrate import upgrade
 from werkzeug.test import EnvironBuilder
 
 from animal_store import create_app
-from animal_store.auth import authenticate, hash_key, issue_key
+from animal_store.access.auth import authenticate, hash_key, issue_key
+from animal_store.commands.seed import seed_pets
+from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db
-from animal_store.models import ApiKey, Pet
 from animal_store.pets import pets_schema
-from animal_store.seed import seed_pets
 
 LIMIT = 20
 PET_COLUMNS = (Pet.id, Pet.name, Pet.category_id, Pet.status)

@@ -54,7 +54,7 @@ timeout = 30
 # On SIGTERM, workers stop accepting, finish the requests in flight for up to this long, then exit.
 graceful_timeout = 30
 # gunicorn takes X-Forwarded-Proto from no one: the app decides whose forwarded headers count
-# (TRUSTED_PROXIES, animal_store/proxies.py), for the scheme as for the host and the address.
+# (TRUSTED_PROXIES, animal_store/http/proxies.py), for the scheme as for the host and the address.
 forwarded_allow_ips = ""
 # gunicorn's control socket (for gunicornc) is off unless the deployment names a path for it, such
 # as /run/animal-store/gunicorn.ctl: its default, ~/.gunicorn/, would land in the checkout (the
@@ -62,12 +62,12 @@ forwarded_allow_ips = ""
 control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET", "")
 control_socket_disable = not control_socket
 
-# Prometheus metrics summed over the workers (animal_store/metrics.py, prometheus_client's
-# multiprocess mode): each worker writes its figures to files in PROMETHEUS_MULTIPROC_DIR, which
-# must be set before anything imports prometheus_client (the master does, in child_exit). A
-# directory of this instance's own (systemd's RuntimeDirectory in docs/deploy.rst), emptied at
-# start; without one, a fresh temporary directory, removed when the master exits. Which one was
-# made is kept in the environment, as this file is read again on HUP.
+# Prometheus metrics summed over the workers (animal_store/observability/metrics.py,
+# prometheus_client's multiprocess mode): each worker writes its figures to files in
+# PROMETHEUS_MULTIPROC_DIR, which must be set before anything imports prometheus_client (the master
+# does, in child_exit). A directory of this instance's own (systemd's RuntimeDirectory in
+# docs/deploy.rst), emptied at start; without one, a fresh temporary directory, removed when the
+# master exits. Which one was made is kept in the environment, as this file is read again on HUP.
 TEMPORARY_METRICS_DIR = "GUNICORN_TEMPORARY_METRICS_DIR"
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     made = tempfile.mkdtemp(prefix="animal-store-metrics-")
@@ -75,9 +75,10 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 
 # The instance's metrics on a listener of their own, which no worker's load can block, served by
-# a small process the master starts beside its workers (animal_store/master_metrics.py). Unset:
-# only the app's /metrics on the app's port, which waits behind the clients when every worker is
-# busy. The process's PID is kept in the environment, as this file is read again on HUP.
+# a small process the master starts beside its workers
+# (animal_store/observability/master_metrics.py). Unset: only the app's /metrics on the app's port,
+# which waits behind the clients when every worker is busy. The process's PID is kept in the
+# environment, as this file is read again on HUP.
 METRICS_BIND = "ANIMAL_STORE_METRICS_BIND"
 METRICS_PROCESS = "GUNICORN_METRICS_PROCESS"
 
@@ -110,7 +111,7 @@ def check_settings(server: "Arbiter") -> int:
         log.exception("The release cannot be imported")
         return 1
     else:
-        from animal_store.database import check_login
+        from animal_store.data.database import check_login
         from animal_store.settings import SettingsError, check_environment
 
         try:
@@ -160,7 +161,7 @@ def start_metrics_process(server: "Arbiter") -> str | None:
         [
             sys.executable,
             "-m",
-            "animal_store.master_metrics",
+            "animal_store.observability.master_metrics",
             f"--bind={bind}",
             f"--master={os.getpid()}",
             *(f"--listener={fd}" for fd in listeners),
@@ -252,7 +253,8 @@ def child_exit(server: "Arbiter", worker: "Worker") -> None:
 
 
 # gunicorn's own access log is off: the app writes one JSON line per request to stdout
-# (animal_store/logs.py) with the request ID and key name, which gunicorn's line cannot carry.
+# (animal_store/observability/logs.py) with the request ID and key name, which gunicorn's line
+# cannot carry.
 accesslog = None
 
 
@@ -273,8 +275,8 @@ class Logger(glogging.Logger):
 
 class JsonFormatter(logging.Formatter):
     """gunicorn's own lines (boot, reloads, workers started and stopped) as JSON, with the keys
-    of the app's (animal_store/logs.py): the master imports nothing of the app, so the formatter
-    is here, and a reload reads it anew with the rest of this file."""
+    of the app's (animal_store/observability/logs.py): the master imports nothing of the app, so the
+    formatter is here, and a reload reads it anew with the rest of this file."""
 
     def format(self, record: logging.LogRecord) -> str:
         line = {
@@ -331,19 +333,20 @@ def post_worker_init(worker: "Worker") -> None:
         return
     app = cast("Flask", worker.wsgi)
     # Loud when the rate limits cannot hold: counted in each worker's memory.
-    from animal_store.rate_limits import warn_if_counted_apart
+    from animal_store.access.rate_limits import warn_if_counted_apart
 
     warn_if_counted_apart(app, worker.cfg.workers)
     write_counts_when_idle(app, worker)
 
 
 def write_counts_when_idle(app: "Flask", worker: "Worker") -> None:
-    """Have the worker write the requests it counted in memory (animal_store/metrics.py) when
-    they are due though no request comes, so an idle worker's last second reaches the scrapes;
-    and have a sync worker count the time it waits for a connection: its idle time."""
+    """Have the worker write the requests it counted in memory
+    (animal_store/observability/metrics.py) when they are due though no request comes, so an idle
+    worker's last second reaches the scrapes; and have a sync worker count the time it waits for a
+    connection: its idle time."""
     from gunicorn.workers.sync import SyncWorker
 
-    from animal_store.metrics import request_metrics
+    from animal_store.observability.metrics import request_metrics
 
     metrics = request_metrics(app)
     notify = worker.notify
@@ -378,7 +381,7 @@ def worker_exit(server: "Arbiter", worker: "Worker") -> None:
     # A worker that stops (a reload, a restart, max_requests) writes what it counted last. One
     # that could not load the app has no `wsgi`, and nothing counted: gunicorn has logged why.
     if "animal_store_metrics" in getattr(getattr(worker, "wsgi", None), "extensions", {}):
-        from animal_store.metrics import request_metrics
+        from animal_store.observability.metrics import request_metrics
 
         request_metrics(cast("Flask", worker.wsgi)).write()
 
@@ -387,6 +390,6 @@ def post_fork(server: "Arbiter", worker: "Worker") -> None:
     # Requests gunicorn cannot parse (headers or URL over its limits, broken chunked bodies) are
     # answered by gunicorn itself: with the API's error object rather than an HTML page.
     # Imported here, in the worker, which loads the app anyway: the master stays free of it.
-    from animal_store import gunicorn_errors
+    from animal_store.serving import gunicorn_errors
 
     gunicorn_errors.install()

@@ -18,9 +18,9 @@ from postgres_cluster import BINDIR, PostgresCluster
 from redis_server import REDIS_SERVER, RedisServer
 
 from animal_store import RESOURCES, create_app
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
 

@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from promql import parse
 
-from animal_store import create_app, master_metrics, metrics
+from animal_store import create_app
 from animal_store.extensions import db
+from animal_store.observability import master_metrics, metrics
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RULES = PROJECT_DIR / "config" / "prometheus" / "alerts.yml"
@@ -136,8 +137,9 @@ def exported_metrics(tmp_path_factory) -> dict[str, frozenset[str]]:
     process, and as under gunicorn (PROMETHEUS_MULTIPROC_DIR), which adds the instance's
     process_* figures and animal_store_processes. Requests first count one of each labelled
     series (two 401s, then a 429 past AUTH_FAILURE_LIMIT), so each labelled metric shows its
-    labels. With them, what only the metrics listener adds (animal_store/master_metrics.py): the
-    listen queue's figures, read from a listening socket of the test's own."""
+    labels. With them, what only the metrics listener adds
+    (animal_store/observability/master_metrics.py): the listen queue's figures, read from a
+    listening socket of the test's own."""
     directory = tmp_path_factory.mktemp("alerts")
     app = create_app(
         {

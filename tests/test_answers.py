@@ -3,9 +3,9 @@ ANSWER_CACHE_BYTES; never the end of the list, a 404, or anything made from a re
 
 import sqlalchemy as sa
 
-from animal_store.answers import Answers
+from animal_store.data.answers import Answers
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 
 def rename_behind_the_apis_back(app, name):

@@ -7,9 +7,9 @@ import pytest
 import sqlalchemy as sa
 from declared import PROTECTED
 
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db
-from animal_store.models import ApiKey
 
 REALM = 'Bearer realm="animal-store"'
 INVALID = f'{REALM}, error="invalid_token"'

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from test_rate_limits import bearer
 
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
 from animal_store.extensions import db
 
 

@@ -8,8 +8,8 @@ import socket
 import pytest
 import sqlalchemy as sa
 
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 # Every answer must come within this many seconds, or the request counts as a hang.
 ANSWER_TIMEOUT = 15

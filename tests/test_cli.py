@@ -19,7 +19,7 @@ from flask_migrate import upgrade
 from nginx_server import free_port, stop_process, wait_for_port
 
 from animal_store import create_app
-from animal_store.database import describe_database
+from animal_store.data.database import describe_database
 from animal_store.extensions import db
 
 
@@ -88,7 +88,7 @@ def test_keys_revoke_unknown_or_twice_fails(runner):
 
 
 def test_format_time_is_utc():
-    from animal_store.cli import format_time
+    from animal_store.commands.cli import format_time
 
     moment = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC) + timedelta(0)
     assert format_time(moment) == "2026-01-02 03:04:05 UTC"

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 import sqlalchemy as sa
 
+from animal_store.data.models import PET_STATUSES, Pet
 from animal_store.extensions import db
-from animal_store.models import PET_STATUSES, Pet
 
 CLIENTS = 16
 CREATES_PER_CLIENT = 100

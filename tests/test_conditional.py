@@ -3,8 +3,8 @@
 import pytest
 import sqlalchemy as sa
 
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 
 def rename_pet(app, pet_id, name):

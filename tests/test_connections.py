@@ -203,7 +203,7 @@ def check_connection_after_unread_body(port, api_key, case, behind_nginx, tls_co
                     expected = 413  # nginx refuses the body before the app sees the request
                 elif case == "too-large" and (size < LIMIT or (size == LIMIT and sized_body)):
                     # Read, and no JSON. (A chunked body that fills the limit is refused: the
-                    # app cannot tell it from one cut there, animal_store/body.py; nginx passes
+                    # app cannot tell it from one cut there, animal_store/http/body.py; nginx passes
                     # bodies on with a Content-Length.)
                     expected = 400
                 else:

@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, settings
 
 from animal_store import create_app
-from animal_store.auth import VISIBLE_PREFIX_LENGTH, hash_key
+from animal_store.access.auth import VISIBLE_PREFIX_LENGTH, hash_key
+from animal_store.data.models import PET_STATUSES, ApiKey, IdempotencyRecord
+from animal_store.data.pagination import CURSOR_TEXT, Position, decode_cursor, encode_cursor
 from animal_store.extensions import db
-from animal_store.models import PET_STATUSES, ApiKey, IdempotencyRecord
-from animal_store.pagination import CURSOR_TEXT, Position, decode_cursor, encode_cursor
 
 CONTRACT_SEED = int(os.environ.get("CONTRACT_SEED", "20261122"))
 CONTRACT_MAX_EXAMPLES = int(os.environ.get("CONTRACT_MAX_EXAMPLES", "30"))

@@ -11,8 +11,8 @@ from pathlib import Path
 import requests
 import sqlalchemy as sa
 
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 ROUNDS = 3
 WRITERS = 8

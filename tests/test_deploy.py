@@ -31,9 +31,9 @@ from requests.structures import CaseInsensitiveDict
 from test_connections import FRAMING_REFUSALS, VALID, Connection, framed_request
 
 from animal_store import create_app, default_settings, errors
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
 

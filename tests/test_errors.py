@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from conftest import PROJECT_DIR
 from declared import PATHS, REFUSED, sample_url
 
+from animal_store.data.models import Pet
 from animal_store.errors import (
     CATALOGUE,
     KIND_OF_STATUS,
@@ -17,7 +18,6 @@ from animal_store.errors import (
     error_body,
 )
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 
 def assert_error_object(response, status, code):

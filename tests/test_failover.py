@@ -1,6 +1,6 @@
 """The loss of the database machine: several hosts in DATABASE_URL, a server that takes only
 reads, a standby promoted under load, and workers that forget what they kept from a database
-that is no longer there (animal_store/failover.py, docs/deploy.rst, High availability).
+that is no longer there (animal_store/data/failover.py, docs/deploy.rst, High availability).
 
 The clusters are the tests' own (tests/postgres_cluster.py): a primary and a streaming standby,
 killed and promoted by PID, never the machine's PostgreSQL. So these run in the pass without
@@ -23,12 +23,13 @@ from sqlalchemy.engine import make_url
 from test_passwords import PASSWORD, USER, assert_masked, assert_no_password
 from test_releases import Load, details, walk
 
-from animal_store import answers, create_app
-from animal_store import auth as auth_module
-from animal_store.auth import issue_key
-from animal_store.database import describe_database
+from animal_store import create_app
+from animal_store.access import auth as auth_module
+from animal_store.access.auth import issue_key
+from animal_store.data import answers
+from animal_store.data.database import describe_database
+from animal_store.data.failover import CONFIRM_EVERY
 from animal_store.extensions import db
-from animal_store.failover import CONFIRM_EVERY
 from animal_store.settings import SettingsError
 
 # The same two hosts in libpq's spelling and in SQLAlchemy's.

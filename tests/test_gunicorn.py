@@ -16,7 +16,7 @@ import requests
 from conftest import PROJECT_DIR, break_release, copy_release, free_port
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
-from animal_store import gunicorn_errors
+from animal_store.serving import gunicorn_errors
 
 GUNICORN = (sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app")
 
@@ -117,7 +117,7 @@ def test_production_start_without_database_url_fails_loudly(tmp_path):
 
 def test_gunicorn_still_answers_parse_errors_where_we_replace_it():
     # Fails when a gunicorn release moves or reshapes util.write_error: then its unparsable
-    # requests would get HTML again (animal_store/gunicorn_errors.py says what to update).
+    # requests would get HTML again (animal_store/serving/gunicorn_errors.py says what to update).
     gunicorn_errors.check_gunicorn()
 
 

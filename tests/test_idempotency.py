@@ -10,9 +10,9 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from animal_store.data.models import ApiKey, IdempotencyRecord
 from animal_store.extensions import db
 from animal_store.idempotency import target_hash
-from animal_store.models import ApiKey, IdempotencyRecord
 
 REX = {"name": "Rex", "categoryId": 1, "status": "available"}
 

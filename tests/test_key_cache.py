@@ -8,9 +8,9 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
-from animal_store.auth import CachedKey, KeyCache, issue_key, key_cache
+from animal_store.access.auth import CachedKey, KeyCache, issue_key, key_cache
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db
-from animal_store.models import ApiKey
 
 # Cache times long beside what a loaded machine adds between two requests, so that "still
 # cached" holds there too; an entry kept past its time is caught within SLACK.

@@ -9,9 +9,9 @@ import pytest
 import sqlalchemy as sa
 from declared import PROTECTED
 
-from animal_store.auth import SCOPES
+from animal_store.access.auth import SCOPES
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db
-from animal_store.models import ApiKey
 
 NEW_PET = {"name": "Rex", "categoryId": 1}
 

@@ -19,10 +19,10 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from animal_store import keyset
+from animal_store.data import keyset
+from animal_store.data.models import PET_STATUSES
+from animal_store.data.pagination import Position, encode_cursor
 from animal_store.extensions import db
-from animal_store.models import PET_STATUSES
-from animal_store.pagination import Position, encode_cursor
 
 DURATION = 6.0
 CREATORS = 8

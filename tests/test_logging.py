@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
 
-from animal_store.logs import utc_time
+from animal_store.observability.logs import utc_time
 
 
 def log_lines(capsys):

@@ -13,7 +13,7 @@ import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from animal_store.metrics import DURATION_BUCKETS, SeriesCounts, request_metrics
+from animal_store.observability.metrics import DURATION_BUCKETS, SeriesCounts, request_metrics
 
 # Every answer written to the worker's files at once: a scrape right after counts it.
 WRITTEN_AT_ONCE = {"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0"}

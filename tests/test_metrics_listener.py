@@ -1,7 +1,7 @@
 """The instance's metrics on a listener of their own (ANIMAL_STORE_METRICS_BIND), served by a
-process beside gunicorn's master (animal_store/master_metrics.py): answered while every worker is
-stuck, with the listening socket's queue; a listener that cannot start stops the boot; the process
-goes with its master."""
+process beside gunicorn's master (animal_store/observability/master_metrics.py): answered while
+every worker is stuck, with the listening socket's queue; a listener that cannot start stops the
+boot; the process goes with its master."""
 
 import os
 import re

@@ -19,9 +19,9 @@ from conftest import migrate_to_head, start_own_cluster
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
+from animal_store.data.models import Pet
 from animal_store.extensions import db
-from animal_store.models import Pet
 
 # An unreachable database must be reported within this many seconds (connect timeout 3 s).
 OUTAGE_BOUND = 8

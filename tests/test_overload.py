@@ -1,6 +1,7 @@
 """Overload: a surge of clients is queued and served at the workers' pace; a request that waited
 longer than REQUEST_QUEUE_TIMEOUT for a worker is answered 503 at once, unserved, with
-Retry-After (animal_store/shedding.py); the metrics listener shows the queue and counts the shed.
+Retry-After (animal_store/serving/shedding.py); the metrics listener shows the queue and counts
+the shed.
 
 The shedding rule is tried in the app; the surge with real nginx on the shipped files, gunicorn
 on the production config and wrk's keep-alive clients, its workers frozen (SIGSTOP) past the
@@ -19,7 +20,7 @@ from conftest import PROJECT_DIR, TEST_DATABASE_URL, free_port
 from nginx_server import NGINX, Nginx
 from test_metrics_listener import scrape, worker_pids
 
-from animal_store.auth import issue_key
+from animal_store.access.auth import issue_key
 from animal_store.extensions import db
 
 NEW_PET = {"name": "Rex", "categoryId": 1, "status": "available"}

@@ -11,10 +11,10 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from animal_store.commands.seed import seed_pets
+from animal_store.data.models import Pet
+from animal_store.data.pagination import Position, encode_cursor
 from animal_store.extensions import db
-from animal_store.models import Pet
-from animal_store.pagination import Position, encode_cursor
-from animal_store.seed import seed_pets
 
 NEXT_LINK = re.compile(r'<([^>]*)>; rel="next"')
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from test_gunicorn import GUNICORN, refused_boot
 
 from animal_store import create_app
-from animal_store.database import describe_database
+from animal_store.data.database import describe_database
 from animal_store.extensions import db
 from animal_store.settings import SettingsError, masked_url
 

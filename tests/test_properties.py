@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from animal_store.data.models import PET_STATUSES, Pet
 from animal_store.extensions import db
-from animal_store.models import PET_STATUSES, Pet
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

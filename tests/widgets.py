@@ -14,9 +14,12 @@ from flask import make_response, url_for
 from marshmallow import EXCLUDE, Schema, fields, validate
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from animal_store import errors, keyset, store
-from animal_store.answers import json_response
+from animal_store import errors
 from animal_store.api import Blueprint, Header
+from animal_store.data import keyset, store
+from animal_store.data.answers import json_response
+from animal_store.data.models import Int64Id
+from animal_store.data.pagination import next_page_link, next_page_query
 from animal_store.extensions import db
 from animal_store.idempotency import (
     IDEMPOTENT_REPLAYED,
@@ -24,8 +27,6 @@ from animal_store.idempotency import (
     idempotent,
     remember,
 )
-from animal_store.models import Int64Id
-from animal_store.pagination import next_page_link, next_page_query
 from animal_store.schemas import INT64_MAX, Cursor, Int64, QueryInteger
 
 

@@ -11,7 +11,7 @@ from webargs._types import ArgMap  # what a parser takes; webargs names it only 
 from webargs.flaskparser import FlaskParser
 
 from animal_store import errors
-from animal_store.body import json_object_body
+from animal_store.http.body import json_object_body
 
 
 class ArgumentsParser(FlaskParser):

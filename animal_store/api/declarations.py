@@ -13,7 +13,7 @@ from marshmallow import Schema
 
 from animal_store import errors
 from animal_store.api.arguments import ArgumentsParser
-from animal_store.body import BODY_ERRORS
+from animal_store.http.body import BODY_ERRORS
 
 View = TypeVar("View", bound=Callable[..., Any])
 

@@ -7,11 +7,11 @@ import flask
 from flask import Response
 from flask_cors import CORS
 
-from animal_store import rate_limits
+from animal_store.access import rate_limits
+from animal_store.access.auth_failures import init_auth_failures
 from animal_store.api.declarations import Blueprint
 from animal_store.api.document import document_layer, make_api
 from animal_store.api.policies import Policies
-from animal_store.auth_failures import init_auth_failures
 from animal_store.contract import BASE_PATH
 
 # Where the API lives on every server; OPENAPI_SERVERS urls must end with it.

@@ -5,9 +5,9 @@ from email.utils import format_datetime
 
 from flask import Flask, Response, current_app, g
 
-from animal_store import rate_limits
+from animal_store.access import rate_limits
+from animal_store.access.auth import authenticate
 from animal_store.api.declarations import view_doc
-from animal_store.auth import authenticate
 from animal_store.current import REQUEST, G
 from animal_store.settings_schema import Deprecation
 

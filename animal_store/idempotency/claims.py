@@ -32,8 +32,8 @@ from sqlalchemy import Connection, CursorResult
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from animal_store import errors
+from animal_store.data.models import IdempotencyRecord
 from animal_store.extensions import db, settings
-from animal_store.models import IdempotencyRecord
 
 # How soon a retry should come back while the first request is still running.
 RETRY_AFTER = {"Retry-After": "1"}

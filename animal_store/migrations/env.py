@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from flask import current_app, g
 from flask_sqlalchemy import SQLAlchemy
 
-from animal_store.database import connect, describe_database
+from animal_store.data.database import connect, describe_database
 
 config = context.config
 # Keep the loggers the app (or the test run) configured before the migration started.

@@ -18,7 +18,7 @@ Downgrade: version 2 again (keyset_0006.py), with every row's stamp 0: settled, 
 import sqlalchemy as sa
 from alembic import op
 
-from animal_store import keyset
+from animal_store.data import keyset
 from animal_store.migrations import keyset_0006
 
 revision = "0008"

@@ -4,9 +4,9 @@ from flask import Blueprint, current_app, g
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from animal_store import rate_limits
-from animal_store.database_faults import disk_full
-from animal_store.deadlines import shorten_deadline
+from animal_store.access import rate_limits
+from animal_store.data.database_faults import disk_full
+from animal_store.data.deadlines import shorten_deadline
 from animal_store.errors import (
     DATABASE_READ_ONLY,
     OUTAGE_REASONS,

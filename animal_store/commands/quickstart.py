@@ -24,10 +24,10 @@ from flask_migrate import upgrade
 from werkzeug.local import LocalProxy
 from werkzeug.serving import run_simple
 
-from animal_store.auth import issue_key
-from animal_store.database import uses_database
+from animal_store.access.auth import issue_key
+from animal_store.data.database import uses_database
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db
-from animal_store.models import ApiKey
 
 # The cheapest authenticated read: at most one animal.
 PROBE_PATH = "/v1/pets?limit=1"

@@ -16,7 +16,7 @@ from functools import lru_cache
 from urllib.parse import quote, urlencode
 
 from animal_store.current import REQUEST
-from animal_store.models import PET_STATUSES
+from animal_store.data.models import PET_STATUSES
 
 CURSOR_VERSION = "1"
 CHECKSUM_SIZE = 8

@@ -6,10 +6,10 @@ import click
 import sqlalchemy as sa
 from flask.cli import with_appcontext
 
-from animal_store.database import uses_database
+from animal_store.data.database import uses_database
+from animal_store.data.models import PET_STATUSES
+from animal_store.data.store import PETS
 from animal_store.extensions import db
-from animal_store.models import PET_STATUSES
-from animal_store.store import PETS
 
 if TYPE_CHECKING:
     import psycopg

@@ -21,7 +21,7 @@ from flask import Config, current_app, g
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import DBAPIError
 
-from animal_store.errors import first_line, is_login_refusal, login_refused
+from animal_store.data.database_faults import first_line, is_login_refusal, login_refused
 from animal_store.extensions import db
 from animal_store.settings import masked_url
 

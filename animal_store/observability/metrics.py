@@ -48,7 +48,7 @@ from prometheus_client import (
 from animal_store.current import REQUEST, G
 from animal_store.errors import OUTAGE_REASONS
 from animal_store.extensions import db, settings
-from animal_store.master_metrics import InstanceProcesses
+from animal_store.observability.master_metrics import InstanceProcesses
 from animal_store.version import VERSION
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -93,7 +93,7 @@ DATABASE_REFUSALS = Counter(
     "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
     ["reason"],
 )
-# Counted from 0 on every instance, shedding or not (animal_store/shedding.py).
+# Counted from 0 on every instance, shedding or not (animal_store/serving/shedding.py).
 SHED = Counter(
     "animal_store_requests_shed",
     "Requests answered 503 at once, unserved, because they waited longer than "

@@ -30,9 +30,14 @@ from flask import current_app
 from flask.cli import with_appcontext
 from sqlalchemy import Engine, Row, func, select, text
 
-from animal_store.database import current_revision, head_revision, upgrade_command, uses_database
+from animal_store.data.database import (
+    current_revision,
+    head_revision,
+    upgrade_command,
+    uses_database,
+)
+from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db, settings
-from animal_store.models import ApiKey, Pet
 from animal_store.settings import masked_url
 
 # `pg_restore --list`: "215; 0 16390 TABLE DATA public pets store".

@@ -22,7 +22,7 @@ from gunicorn.http.errors import InvalidHeader, UnsupportedTransferCoding
 from gunicorn.workers import base
 
 from animal_store.errors import raw_error_response
-from animal_store.request_id import NEW_IDS, VALID_REQUEST_ID
+from animal_store.http.request_id import NEW_IDS, VALID_REQUEST_ID
 
 # gunicorn.util.write_error's parameters, and the call of it in Worker.handle_error.
 EXPECTED_PARAMETERS = ("sock", "status_int", "reason", "mesg")
@@ -109,7 +109,7 @@ def check_gunicorn() -> None:
         raise RuntimeError(
             "gunicorn no longer answers unparsable requests through "
             f"util.write_error{EXPECTED_PARAMETERS} from Worker.handle_error: update "
-            "animal_store/gunicorn_errors.py."
+            "animal_store/serving/gunicorn_errors.py."
         )
 
 

@@ -54,7 +54,7 @@ RETRY_INTERVAL = 1.0
 # at most DATABASE_CONNECT_TIMEOUT.
 CONNECTING_THREADS = 4
 
-LOG = logging.getLogger("animal_store.deadlines")
+LOG = logging.getLogger("animal_store.data.deadlines")
 
 
 class DeadlinePassed(sa_exc.TimeoutError):

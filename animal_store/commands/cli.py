@@ -9,16 +9,17 @@ from flask import Flask, current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import IntegrityError
 
-from animal_store import errors, rate_limits
-from animal_store.auth import SCOPES, issue_key, rotate_key
-from animal_store.backup import backup_command, restore_command
-from animal_store.database import uses_database
+from animal_store import errors
+from animal_store.access import rate_limits
+from animal_store.access.auth import SCOPES, issue_key, rotate_key
+from animal_store.commands.backup import backup_command, restore_command
+from animal_store.commands.quickstart import quickstart
+from animal_store.commands.seed import seed_command
+from animal_store.data.database import uses_database
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db, settings
 from animal_store.idempotency.claims import purge_expired
-from animal_store.models import ApiKey
 from animal_store.openapi import print_openapi
-from animal_store.quickstart import quickstart
-from animal_store.seed import seed_command
 
 keys_cli = AppGroup("keys", help="Create, list, limit, rotate and revoke API keys.")
 # What `keys set-limit` takes to give a key the service's RATE_LIMIT again.

@@ -1,5 +1,8 @@
-"""What a worker remembers of the database's refusals that are no passing outage: a login it
-refuses (a configuration error) and a disk with no space left for writes.
+"""What the database's refusals mean, and what a worker remembers of those that are no passing
+outage: a login it refuses (a configuration error) and a disk with no space left for writes.
+
+The refusals are told apart here, where the drivers' words are known; errors.py says how each is
+answered.
 
 Each is logged at ERROR, once a minute at most for each kind, with how many requests it refused
 since the last line: a WARNING for every request would bury the one line an operator needs. A
@@ -7,16 +10,33 @@ full disk is also remembered until a write commits again, so that /readyz can sa
 reads are still served (health.py).
 """
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 from flask import Flask, current_app
-from sqlalchemy import Connection, event
+from sqlalchemy import URL, Connection, event
+from sqlalchemy import exc as sa_exc
 
 from animal_store.extensions import db
 
 EXTENSION = "animal_store_database_faults"
+# PostgreSQL's refusal of a write by a server that takes only reads: a hot standby, a primary
+# demoted to one, a database with default_transaction_read_only.
+READ_ONLY_SQL_TRANSACTION = "25006"
+# SQLSTATE class 28, invalid authorization specification: a wrong password (28P01), or a role,
+# database or address that pg_hba.conf does not let in (28000). The configuration is wrong: it
+# does not pass as an outage does.
+LOGIN_REFUSED_CLASS = "28"
+# libpq gives a failed connection no SQLSTATE, only the server's message: these are class 28's
+# at login (PostgreSQL's and PgBouncer's), and libpq's own when it has no password to give. In
+# English, the server's lc_messages of C or en: in another language a refused login is told
+# as a database that cannot be reached, with the driver's message.
+LOGIN_REFUSALS = re.compile(
+    r"password authentication failed|no pg_hba\.conf entry|pg_hba\.conf rejects"
+    r"|is not permitted to log in|role \".*\" does not exist|no password supplied"
+)
 # How often a fault that lasts is logged again, at most (seconds).
 LOG_EVERY = 60.0
 
@@ -87,3 +107,34 @@ def remember_full_disk() -> None:
 def disk_full() -> bool:
     """Whether the last write this worker tried found the database's disk full."""
     return database_faults(current_app).full_since is not None
+
+
+def is_read_only_refusal(error: BaseException) -> bool:
+    """Tell a write refused by a server that takes only reads (SQLSTATE 25006)."""
+    return getattr(getattr(error, "orig", None), "sqlstate", None) == READ_ONLY_SQL_TRANSACTION
+
+
+def is_login_refusal(error: BaseException) -> bool:
+    """Tell a database that refuses the service's role or password (SQLSTATE class 28)."""
+    cause = getattr(error, "orig", None) or error
+    sqlstate = getattr(cause, "sqlstate", None)
+    if sqlstate is not None:
+        return bool(sqlstate.startswith(LOGIN_REFUSED_CLASS))
+    # (No SQLite message has these words.)
+    return isinstance(error, sa_exc.OperationalError) and bool(LOGIN_REFUSALS.search(str(cause)))
+
+
+def login_refused(url: URL, cause: BaseException) -> str:
+    """Say which login the database refuses, and why, in the driver's words: the role, the
+    database and the host, never the password."""
+    return (
+        f"The database refuses the login of role {url.username!r} to database {url.database!r} "
+        f"on {url.host}:{url.port or 5432}: {first_line(cause)}. Check DATABASE_URL's user and "
+        "password"
+    )
+
+
+def first_line(cause: BaseException) -> str:
+    # psycopg adds hints and context on the lines after the server's message.
+    lines = str(cause).strip().splitlines()
+    return lines[0] if lines else type(cause).__name__

@@ -10,12 +10,13 @@ from cachetools import TTLCache
 from flask import current_app, g, request
 from sqlalchemy.exc import OperationalError
 
-from animal_store import errors, store
-from animal_store.auth_failures import AuthFailures
+from animal_store import errors
+from animal_store.access.auth_failures import AuthFailures
 from animal_store.current import G
-from animal_store.database_faults import remember_full_disk
+from animal_store.data import store
+from animal_store.data.database_faults import remember_full_disk
+from animal_store.data.models import ApiKey
 from animal_store.extensions import db, settings
-from animal_store.models import ApiKey
 
 # What a key may do: `read` lists and gets animals, `write` creates them (api.SCOPE_OF_METHOD).
 SCOPES = ("read", "write")

@@ -15,9 +15,9 @@ from typing import Any, NotRequired, TypedDict, cast
 
 import sqlalchemy as sa
 
-from animal_store import keyset
+from animal_store.data import keyset
+from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db
-from animal_store.models import ApiKey, Pet
 
 # The mapped table, which the ORM types only as a FROM clause (a class may map a join).
 PETS = cast("sa.Table", Pet.__table__)

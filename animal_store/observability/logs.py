@@ -15,7 +15,7 @@ from flask.logging import default_handler
 
 from animal_store.current import REQUEST, G
 from animal_store.extensions import settings
-from animal_store.request_id import current_request_id
+from animal_store.http.request_id import current_request_id
 
 # The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
 REQUESTS = logging.getLogger("animal_store.request")

@@ -31,8 +31,8 @@ from cachetools import TTLCache
 from flask import Flask, request
 
 from animal_store import errors
+from animal_store.access.rate_limits import REFUSALS, RateLimiter
 from animal_store.extensions import settings
-from animal_store.rate_limits import REFUSALS, RateLimiter
 from animal_store.settings_schema import Settings
 
 # Hashes of the keys a worker's look-ups found valid, kept this long (a day) and at most this

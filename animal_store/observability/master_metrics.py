@@ -11,7 +11,8 @@ since the last scrape (read every SAMPLE_EVERY), their backlog, and the connecti
 because a queue was full. A process of its own, rather than a thread of the master: the workers
 the master forks hold no copy of its socket, and a reload starts it anew on the release on disk.
 
-    python -m animal_store.master_metrics --bind HOST:PORT --master PID --listener FD ...
+    python -m animal_store.observability.master_metrics \
+        --bind HOST:PORT --master PID --listener FD ...
 
 The standard library and prometheus_client only: it never imports the app.
 """
@@ -178,7 +179,7 @@ def children(parent: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m animal_store.master_metrics")
+    parser = argparse.ArgumentParser(prog="python -m animal_store.observability.master_metrics")
     parser.add_argument("--bind", required=True, help="host:port to serve /metrics on")
     parser.add_argument("--master", type=int, required=True, help="gunicorn master's PID")
     parser.add_argument(

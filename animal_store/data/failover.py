@@ -29,13 +29,9 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import SQLAlchemyError
 
-from animal_store import answers, auth, keyset
-from animal_store.errors import is_read_only_refusal
+from animal_store.data.database_faults import is_read_only_refusal
 from animal_store.extensions import db
 
-# What each worker keeps from the database, by its place in app.extensions: each is made again
-# from the database on first use, so forgetting one is removing it. A new memo of data goes here.
-MEMOS = (answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS)
 # How long a worker answers from what it kept before it asks the database again who it is.
 CONFIRM_EVERY = 1.0
 SERVER = text("SELECT pg_postmaster_start_time()")
@@ -46,16 +42,21 @@ class Server:
     """Which server this worker's memos came from, and when to ask again. Requests on several
     threads (the development server) may ask at once: both answers are the same server."""
 
-    def __init__(self) -> None:
+    def __init__(self, memos: tuple[str, ...]) -> None:
+        self.memos = memos
         self.started: datetime | None = None
         self.ask_at = 0.0
         self.lock = threading.Lock()
 
 
-def init_failover(app: Flask) -> tuple[Callable[[], None], ...]:
+def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None], ...]:
     """On PostgreSQL: drop connections to a server that takes only reads, and return the step
     that confirms the database, for the API layer to run before its requests; on SQLite (one
-    file) nothing."""
+    file) nothing.
+
+    `memos` are what each worker keeps from the database, by their places in app.extensions:
+    each is made again from the database on first use, so forgetting one is removing it.
+    """
     with app.app_context():
         engine = db.engine
     if engine.dialect.name != "postgresql":
@@ -67,7 +68,7 @@ def init_failover(app: Flask) -> tuple[Callable[[], None], ...]:
         if refused is not None and is_read_only_refusal(refused):
             context.is_disconnect = True
 
-    app.extensions[STATE] = Server()
+    app.extensions[STATE] = Server(memos)
     return (confirm_database,)
 
 
@@ -87,7 +88,7 @@ def confirm_database() -> None:
     except SQLAlchemyError:
         # The database does not answer: what it will hold when it does is unknown. The server
         # last seen stays known, so the one that answers next is told apart from it.
-        forget()
+        forget(server)
         return
     if started == server.started:
         return
@@ -101,10 +102,10 @@ def confirm_database() -> None:
                 server.started.isoformat(),
                 started.isoformat(),
             )
-        forget()
+        forget(server)
         server.started = started
 
 
-def forget() -> None:
-    for memo in MEMOS:
+def forget(server: Server) -> None:
+    for memo in server.memos:
         current_app.extensions.pop(memo, None)

@@ -1,0 +1,1 @@
+"""What an operator runs: the `flask` commands, backups, the quick start and sample data."""
