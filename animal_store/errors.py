@@ -149,6 +149,14 @@ METHOD_NOT_ALLOWED = ErrorKind(
     "The path does not have this method.",
     ("Allow",),
 )
+REQUEST_TIMEOUT = ErrorKind(
+    408,
+    "request_timeout",
+    "The body stopped coming: nothing of it arrived for {seconds} seconds. Send the whole body "
+    "without pausing; nothing was changed.",
+    "The client sent part of the body, then nothing for `REQUEST_BODY_TIMEOUT` seconds (gunicorn "
+    "reached directly: nginx reads the whole body before it passes the request on).",
+)
 IDEMPOTENCY_KEY_IN_USE = ErrorKind(
     409,
     "idempotency_key_in_use",
@@ -305,6 +313,7 @@ KIND_OF_STATUS = {
     403: FORBIDDEN,
     404: NOT_FOUND,
     405: METHOD_NOT_ALLOWED,
+    408: REQUEST_TIMEOUT,
     413: PAYLOAD_TOO_LARGE,
     414: URI_TOO_LONG,
     415: UNSUPPORTED_MEDIA_TYPE,
@@ -522,8 +531,8 @@ def raw_error_response(status: int, request_id: str) -> bytes:
     """Return a whole HTTP/1.1 error response, for a server to send before any app runs.
 
     gunicorn answers requests it cannot parse (header or URL too long, bad chunked framing) on its
-    own (animal_store/serving/gunicorn_errors.py); the message is the catalogue's, never the
-    server's, which may quote what the client sent (a header with a key). `request_id` is the
+    own (the worker class, animal_store/serving/worker.py); the message is the catalogue's, never
+    the server's, which may quote what the client sent (a header with a key). `request_id` is the
     answer's X-Request-ID, as every answer has one.
     """
     kind = KIND_OF_STATUS.get(status, BAD_REQUEST)

@@ -24,10 +24,10 @@ from animal_store.http.json_provider import OrjsonProvider
 from animal_store.http.proxies import trust_proxies
 from animal_store.http.request_id import add_request_id_header
 from animal_store.http.security_headers import security_headers
+from animal_store.http.shedding import init_shedding
 from animal_store.observability import health
 from animal_store.observability.logs import configure_logging, log_request, start_timer
 from animal_store.observability.metrics import init_metrics
-from animal_store.serving.shedding import init_shedding
 from animal_store.settings import load_settings
 
 MIGRATIONS_DIR = str(Path(__file__).parent / "migrations")

@@ -310,6 +310,11 @@ class Settings:
         "Seconds a request may wait for a worker (nginx's ``X-Request-Start``) before it is "
         "answered 503 at once, unserved (`Deploy <deploy.rst>`__, Overload); 0: never",
     )
+    REQUEST_BODY_TIMEOUT: float = setting(
+        seconds(at_least=0),
+        "Seconds a read of a request's body waits for the client under gunicorn before the "
+        "request is answered 408 ``request_timeout``; 0: no bound but gunicorn's ``timeout``",
+    )
     LOG_LEVEL: str = setting(
         one_of(LOG_LEVELS),
         "Level of the JSON log lines; ``INFO`` includes one line per request, ``WARNING`` drops "

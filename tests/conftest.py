@@ -357,6 +357,21 @@ def module_database(migrated_database, tmp_path_factory):
     return f"sqlite:///{copy}"
 
 
+@pytest.fixture
+def emptied_module_database(database_url, module_database):
+    """module_database emptied for a test, for a module whose tests' apps (their keys, their
+    counts of animals) use the database module_gunicorn serves (its `database_url` returns this):
+    a sync worker answers or closes a connection before it takes the next, so no test's requests
+    meet another's. On PostgreSQL conftest's database_url has emptied it."""
+    if not TEST_DATABASE_URL:
+        engine = sa.create_engine(module_database)
+        with engine.begin() as connection:
+            for table in reversed(db.metadata.sorted_tables):
+                connection.execute(table.delete())
+        engine.dispose()
+    return module_database
+
+
 @pytest.fixture(scope="module")
 def module_gunicorn(module_database, tmp_path_factory):
     """One gunicorn worker on module_database for a module's tests, where what each proves does

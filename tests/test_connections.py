@@ -19,12 +19,9 @@ import ssl
 import threading
 
 import pytest
-import sqlalchemy as sa
-from conftest import TEST_DATABASE_URL
 from werkzeug.serving import make_server
 
 from animal_store import errors
-from animal_store.extensions import db
 
 LIMIT = 64 * 1024
 SIZES = [1024, LIMIT, LIMIT + 1, 200_000, 2_000_000]
@@ -221,17 +218,9 @@ def check_connection_after_unread_body(port, api_key, case, behind_nginx, tls_co
 
 
 @pytest.fixture
-def database_url(database_url, module_database):
-    """Every test's app (its key, its count of animals) on the database module_gunicorn serves,
-    emptied first (on PostgreSQL conftest's database_url has done it): a sync worker answers or
-    closes a connection before it takes the next, so no test's requests meet another's."""
-    if not TEST_DATABASE_URL:
-        engine = sa.create_engine(module_database)
-        with engine.begin() as connection:
-            for table in reversed(db.metadata.sorted_tables):
-                connection.execute(table.delete())
-        engine.dispose()
-    return module_database
+def database_url(emptied_module_database):
+    """Every test's app (its key, its count of animals) on the database module_gunicorn serves."""
+    return emptied_module_database
 
 
 @pytest.mark.parametrize("case", UNREAD)

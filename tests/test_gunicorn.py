@@ -16,8 +16,6 @@ import requests
 from conftest import PROJECT_DIR, break_release, copy_release, free_port
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
-from animal_store.serving import gunicorn_errors
-
 GUNICORN = (sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app")
 
 
@@ -113,12 +111,6 @@ def test_production_start_without_database_url_fails_loudly(tmp_path):
     )
     assert result.returncode != 0
     assert "needs 'DATABASE_URL' in the environment" in result.stdout + result.stderr
-
-
-def test_gunicorn_still_answers_parse_errors_where_we_replace_it():
-    # Fails when a gunicorn release moves or reshapes util.write_error: then its unparsable
-    # requests would get HTML again (animal_store/serving/gunicorn_errors.py says what to update).
-    gunicorn_errors.check_gunicorn()
 
 
 def test_app_imports_without_gunicorn(tmp_path):

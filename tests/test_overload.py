@@ -1,6 +1,6 @@
 """Overload: a surge of clients is queued and served at the workers' pace; a request that waited
 longer than REQUEST_QUEUE_TIMEOUT for a worker is answered 503 at once, unserved, with
-Retry-After (animal_store/serving/shedding.py); the metrics listener shows the queue and counts
+Retry-After (animal_store/http/shedding.py); the metrics listener shows the queue and counts
 the shed.
 
 The shedding rule is tried in the app; the surge with real nginx on the shipped files, gunicorn

@@ -29,6 +29,11 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (D
 EXEC_RELOAD = re.search(
     r"^\s*ExecReload=(.+)$", (PROJECT_DIR / "docs" / "deploy.rst").read_text(), re.MULTILINE
 ).group(1)
+# The worker class's ready line, and the next release's (tests the class is loaded anew).
+READY = 'READY = "Worker ready (pid: %s): animal-store %s"'
+NEXT_READY = (
+    'READY = "Worker ready (pid: %s): animal-store %s, by the next release\'s worker class"'
+)
 # Within this many seconds of the reload every worker runs the new release (the issue's bound).
 RELOAD_WITHIN = 10
 UNLIMITED = {"ANIMAL_STORE_RATE_LIMIT": "1000000 per minute"}
@@ -187,10 +192,15 @@ def test_a_reload_puts_the_release_on_disk_into_service(
 
     with Load(nginx.url, certificate[0], key) as load:
         load.wait_for_answers(200)
-        # The next release, visibly another: a version of its own in the package's root.
+        # The next release, visibly another: a version of its own in the package's root, and
+        # worker code of its own in the class gunicorn's master loads (serving/worker.py).
         next_version = f"{VERSION}+next"
         version_file = release / "animal_store" / "version.py"
         version_file.write_text(version_file.read_text().replace(VERSION, next_version))
+        worker_file = release / "animal_store" / "serving" / "worker.py"
+        worker_code = worker_file.read_text()
+        assert READY in worker_code
+        worker_file.write_text(worker_code.replace(READY, NEXT_READY))
         reload_as_the_unit_does(gunicorn.process.pid)
         took = wait_for_versions(gunicorn, {next_version}, scrapes)
         load.wait_for_answers(200)
@@ -201,6 +211,8 @@ def test_a_reload_puts_the_release_on_disk_into_service(
     assert scrapes == sorted(scrapes), "a counter went backwards"
     print(f"reload: {dict(load.statuses)} answers, new release serving {took:.2f}s after HUP")
     assert len(ready_lines(gunicorn, next_version)) == 2
+    # Both workers forked after the reload ran the new release's worker class.
+    assert gunicorn.log().count("by the next release's worker class") == 2
     walked = walk(nginx.url, str(certificate[0]), key)
     assert [pet["id"] for pet in walked] == sorted(pet["id"] for pet in load.acknowledged)
 

@@ -175,6 +175,8 @@ BAD_VALUES = [
     ("DATABASE_RETRY_AFTER", "-1"),
     ("REQUEST_QUEUE_TIMEOUT", "-1"),
     ("REQUEST_QUEUE_TIMEOUT", '"10s"'),
+    ("REQUEST_BODY_TIMEOUT", "-1"),
+    ("REQUEST_BODY_TIMEOUT", '"5s"'),
     ("LOG_LEVEL", "info"),
     ("LOG_LEVEL", "VERBOSE"),
     ("METRICS_WRITE_INTERVAL", "-1"),

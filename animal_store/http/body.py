@@ -4,7 +4,7 @@ from typing import Any
 
 import orjson
 from flask import current_app, request
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
 from animal_store import errors
 from animal_store.extensions import settings
@@ -17,6 +17,7 @@ BODY_ERRORS = (
     errors.NOT_AN_OBJECT,
     errors.TRUNCATED_BODY,
     errors.MALFORMED_BODY,
+    errors.REQUEST_TIMEOUT,
     errors.PAYLOAD_TOO_LARGE,
 )
 
@@ -33,7 +34,7 @@ def refuse_unsupported_framing() -> None:
     HTTP/1.0 request, which has no transfer codings, and 417 for an `Expect` other than
     100-continue (RFC 9110, section 10.1.1).
 
-    nginx and gunicorn refuse these before the app (config/nginx.conf, gunicorn_errors.py); this
+    nginx and gunicorn refuse these before the app (config/nginx.conf, serving/worker.py); this
     step gives the same answers where they do not: on the development server, which lets every
     coding and expectation by, and for the `gzip, chunked` gunicorn lets by with the body still
     compressed.
@@ -70,8 +71,18 @@ def json_object_body() -> dict[str, Any]:
 
 
 def whole_body() -> bytes:
-    """Return the body, refusing one that ended early or that a chunked upload cut at the limit."""
-    data = request.get_data(cache=True)
+    """Return the body, refusing one that ended early, stopped coming, or that a chunked upload cut
+    at the limit."""
+    try:
+        data = request.get_data(cache=True)
+    except (TimeoutError, ClientDisconnected) as error:
+        # The worker's read of the client waited REQUEST_BODY_TIMEOUT (serving/worker.py): raised
+        # as it is from a chunked body, and as the cause of a ClientDisconnected from one of a
+        # known length, which Werkzeug reads through its LimitedStream.
+        if not isinstance(error, TimeoutError) and not isinstance(error.__context__, TimeoutError):
+            raise
+        timeout = settings(current_app).REQUEST_BODY_TIMEOUT
+        raise errors.REQUEST_TIMEOUT(seconds=f"{timeout:g}") from None
     # Behind gunicorn (wsgi.input_terminated) Werkzeug reads to the end of the stream and does not
     # compare with Content-Length: a client that stopped early would have a cut body parsed.
     if request.content_length is not None and len(data) < request.content_length:

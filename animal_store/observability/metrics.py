@@ -1,9 +1,9 @@
 """Prometheus metrics at GET /metrics, outside /v1 and without a key, with prometheus_client.
 
-Under gunicorn every worker writes its figures to files in PROMETHEUS_MULTIPROC_DIR
-(config/gunicorn.conf.py sets it before any worker starts) and a scrape, whichever worker answers
-it, sums them over the workers, the dead ones' counters included. Without that directory (the
-development server, one process) the figures are the process's own.
+Under gunicorn every worker writes its figures to files in PROMETHEUS_MULTIPROC_DIR (gunicorn's
+master sets it before any worker starts: serving/master.py) and a scrape, whichever worker
+answers it, sums them over the workers, the dead ones' counters included. Without that directory
+(the development server, one process) the figures are the process's own.
 
 Labels are few and fixed: an operation is its OpenAPI operationId, any other route its endpoint's
 name, "preflight" for OPTIONS and "unmatched" where no route matched; never a path, a query, a
@@ -12,7 +12,7 @@ key, its prefix or a client address.
 A request costs a count in the process's memory (RequestMetrics.observe). The counts are written
 to prometheus_client, which under gunicorn means the worker's files, at most every
 METRICS_WRITE_INTERVAL seconds (1): by the first answer once that has passed, by the worker when
-it is idle (config/gunicorn.conf.py wakes the sync worker every second for it), by the worker
+it is idle (the worker class wakes every second for it: serving/worker.py), by the worker
 answering a scrape (its own counts, before it reads the files), and when a worker exits. Each
 write to the files takes a lock, checks the process's PID and writes to an mmap: written on
 every answer, five of them, they cost a list request a tenth of its CPU (docs/benchmarks.rst).
@@ -64,7 +64,7 @@ DURATION = Histogram(
     ["operation", "status_class"],
     buckets=DURATION_BUCKETS,
 )
-# Counted by the sync workers (config/gunicorn.conf.py): the rest of their time they serve. Their
+# Counted by the workers (serving/worker.py): the rest of their time they serve. Their
 # busy share is what no request's own figure shows: gunicorn's parsing and writing, and requests
 # waiting in the listening socket.
 IDLE = Counter(
@@ -93,7 +93,7 @@ DATABASE_REFUSALS = Counter(
     "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
     ["reason"],
 )
-# Counted from 0 on every instance, shedding or not (animal_store/serving/shedding.py).
+# Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
 SHED = Counter(
     "animal_store_requests_shed",
     "Requests answered 503 at once, unserved, because they waited longer than "
@@ -275,7 +275,7 @@ def init_metrics(app: Flask) -> RequestMetrics:
 
 
 def request_metrics(app: Flask) -> RequestMetrics:
-    """Return the app's counts (a scrape, and gunicorn.conf.py's hooks write them)."""
+    """Return the app's counts (a scrape, and the worker class, serving/worker.py, write them)."""
     metrics: RequestMetrics = app.extensions[EXTENSION]
     return metrics
 

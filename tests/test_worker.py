@@ -1,0 +1,143 @@
+"""The store's gunicorn worker (animal_store/serving/worker.py), straight against a real
+gunicorn on the shipped config, with raw sockets so that what happens on the connection is what
+the test sees: a body that stops coming is answered 408 and frees the worker; a connection whose
+request is all read ends at once, so a client that keeps it open holds no worker; one whose body
+the app left unread ends gracefully, so its answer arrives whole.
+
+(Its error answers, idle time and counts are in tests/test_gunicorn.py and tests/test_metrics.py;
+a reload onto a release with other worker code in tests/test_releases.py.)"""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from animal_store import errors
+
+# Short enough for the test, long enough that no busy machine's pause reads as a stalled client.
+BODY_TIMEOUT = 1
+STALLED_BODIES = {
+    "content-length": b"Content-Length: 100\r\n\r\n" + b'{"name":',
+    "chunked": b"Transfer-Encoding: chunked\r\n\r\n8\r\n" + b'{"name":\r\n',
+}
+
+
+def send(port, head: bytes, key=None, body: bytes = b"") -> socket.socket:
+    """Open a connection and send a request's head and what there is of its body."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    authorization = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+    connection.sendall(head + b"Host: 127.0.0.1\r\n" + authorization + body)
+    return connection
+
+
+def read_answer(connection: socket.socket) -> tuple[int, dict, bytes]:
+    """Read until the server closes, and close: the status, the JSON body, and the raw answer."""
+    answer = b""
+    with connection:
+        while chunk := connection.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), answer
+
+
+@pytest.fixture
+def database_url(emptied_module_database):
+    return emptied_module_database
+
+
+def get(port, key) -> socket.socket:
+    return send(port, b"GET /v1/pets HTTP/1.1\r\n", key, b"\r\n")
+
+
+@pytest.mark.parametrize("framing", STALLED_BODIES)
+def test_a_body_that_stops_coming_is_answered_408_and_frees_the_worker(
+    start_gunicorn, make_key, count_pets, framing
+):
+    gunicorn = start_gunicorn(
+        workers=2, env={"ANIMAL_STORE_REQUEST_BODY_TIMEOUT": str(BODY_TIMEOUT)}
+    )
+    port, key = gunicorn.port, make_key()
+    head = b"POST /v1/pets HTTP/1.1\r\nContent-Type: application/json\r\n"
+    started = time.monotonic()
+    # As many stalled clients as workers: before, each held its worker until gunicorn's timeout
+    # killed it (30 s), and a list waited as long.
+    stalled = [send(port, head, key, STALLED_BODIES[framing]) for _ in range(2)]
+    time.sleep(0.2)
+    status, _, _ = read_answer(get(port, key))
+    listed_after = time.monotonic() - started
+    answers = [read_answer(connection) for connection in stalled]
+    assert status == 200
+    # The bound is the body timeout with a loaded machine's margin, far below gunicorn's 30 s.
+    assert listed_after < BODY_TIMEOUT + 4
+    expected = errors.REQUEST_TIMEOUT.message.format(seconds=BODY_TIMEOUT)
+    for status, body, _ in answers:
+        assert (status, body["code"], body["message"]) == (408, "request_timeout", expected)
+    assert count_pets() == 0
+    assert '"status":500' not in gunicorn.log()
+
+
+def test_a_client_that_keeps_its_connection_open_holds_no_worker(module_gunicorn, api_key):
+    # One worker. gunicorn's graceful end waits up to 2 s for the client's side to close: five
+    # clients that read their answer and keep the connection open held it 10 s.
+    port = module_gunicorn.port
+    started = time.monotonic()
+    held = []
+    for _ in range(5):
+        connection = get(port, api_key)
+        answer = b""
+        while not answer.endswith(b"]"):
+            answer += connection.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        held.append(connection)
+    took = time.monotonic() - started
+    for connection in held:
+        # The server closed its side at once: the connection reads as ended.
+        connection.settimeout(5)
+        assert connection.recv(1) == b""
+        connection.close()
+    assert took < 5, f"five answers took {took:.1f} s: a worker waited for clients to close"
+
+
+def test_an_answer_to_a_request_whose_body_was_not_read_arrives_whole(module_gunicorn):
+    # The app answers 401 before it reads the body: closing at once with those bytes unread
+    # would send a reset, which can cut the answer before the client reads it.
+    port = module_gunicorn.port
+    body = b"x" * 32_768
+    head = f"POST /v1/pets HTTP/1.1\r\nContent-Length: {len(body)}\r\n".encode()
+    connection = send(port, head, body=b"\r\n" + body)
+    # What a reset would do has happened by the time the client reads.
+    time.sleep(0.3)
+    status, answer, _ = read_answer(connection)
+    assert (status, answer["code"]) == (401, "unauthorized")
+
+
+def test_a_list_is_not_kept_waiting_by_a_client_sending_slowly_but_steadily(
+    start_gunicorn, make_key
+):
+    # The body timeout is between reads, not for the whole body: a slow client that keeps
+    # sending within it is served.
+    gunicorn = start_gunicorn(
+        workers=1, env={"ANIMAL_STORE_REQUEST_BODY_TIMEOUT": str(BODY_TIMEOUT * 2)}
+    )
+    port, key = gunicorn.port, make_key()
+    body = b'{"name": "Rex", "categoryId": 1}'
+    head = (
+        b"POST /v1/pets HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n".encode()
+    )
+    connection = send(port, head, key, b"\r\n")
+    sender = threading.Thread(target=trickle, args=(connection, body, BODY_TIMEOUT / 2))
+    sender.start()
+    sender.join()
+    status, created, _ = read_answer(connection)
+    assert (status, created["name"]) == (201, "Rex")
+
+
+def trickle(connection, body, pause):
+    """Send a body in four pieces, `pause` seconds apart."""
+    piece = len(body) // 4 + 1
+    for start in range(0, len(body), piece):
+        time.sleep(pause)
+        connection.sendall(body[start : start + piece])
