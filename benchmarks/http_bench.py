@@ -22,6 +22,11 @@ the targets.
     python benchmarks/http_bench.py --memory 100000          # worker RSS over 100,000 requests
     python benchmarks/http_bench.py --hung-redis             # list while Redis hangs, recovery
     python benchmarks/http_bench.py --database-url postgresql://postgres@127.0.0.1:5432/bench
+    python benchmarks/http_bench.py --against /tmp/before --paths nginx --scenarios list,get
+
+With --against, the service of another checkout (a `git worktree` of an earlier commit, say) is
+measured too, in the same rounds, on the same database, in its own gunicorn and nginx started
+from its own directory, and the service's figures are given as ratios to it as well.
 
 A database given with --database-url is migrated and has animals and a key added: use a scratch
 one. Needs wrk (Debian: `apt-get install wrk`), and nginx and openssl for the nginx path;
@@ -128,6 +133,11 @@ def main():
                 )
                 for name in ("ceiling", "floor")
             ]
+            if args.against:
+                # The same app from the other checkout, on the same database and settings.
+                baselines.append(
+                    Server("against", "wsgi:app", args.workers, workdir, env, (), args.against)
+                )
             servers.extend(baselines)
             for baseline in baselines:
                 baseline.wait_until_serving()
@@ -183,6 +193,11 @@ def parse_args():
     )
     parser.add_argument("--keep", action="store_true", help="keep the database and logs")
     parser.add_argument("--database-url", help="a scratch database instead of SQLite in /tmp")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another checkout whose service is measured in the same rounds (a baseline)",
+    )
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--deep", action="store_true", help="first page against a deep page")
     modes.add_argument(
@@ -251,7 +266,7 @@ def prepare_database(database_url, animals) -> str:
 class Server:
     """gunicorn with the production config serving one WSGI app on a free loopback port."""
 
-    def __init__(self, name, app, workers, workdir, env, extra_args=()):
+    def __init__(self, name, app, workers, workdir, env, extra_args=(), directory=PROJECT_DIR):
         self.name = name
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = workdir / f"{name}.log"
@@ -271,7 +286,7 @@ class Server:
                     *extra_args,
                     app,
                 ],
-                cwd=PROJECT_DIR,
+                cwd=directory,
                 env={**os.environ, **env},
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -504,7 +519,7 @@ def print_results(results, busy_rounds):
                 f"{name:7}{via:7}{server:10}{medians[0]:10.0f}{medians[1]:10.2f}"
                 f"{medians[2]:10.2f}{cpu:12.3f}"
             )
-        for baseline in ("ceiling", "floor"):
+        for baseline in [name for name in ("ceiling", "floor", "against") if name in result]:
             ratios = [median_ratio(result, f, baseline) for f in ("rps", "p50", "p99", "cpu")]
             print(
                 f"{name:7}{via:7}{'/' + baseline:10}"
