@@ -7,6 +7,7 @@ import pytest
 import sqlalchemy as sa
 from declared import PROTECTED
 
+from animal_store import last_used as last_used_writer
 from animal_store.auth import issue_key
 from animal_store.extensions import db
 from animal_store.models import ApiKey
@@ -114,6 +115,7 @@ def test_last_used_is_recorded_at_most_once_a_minute(make_app):
         db.session.commit()
 
     def last_used():
+        assert last_used_writer.flush(timeout=10)
         with app.app_context():
             return db.session.scalar(sa.select(ApiKey.last_used_at))
 
