@@ -18,6 +18,7 @@ from postgres_cluster import BINDIR, PostgresCluster
 from redis_server import REDIS_SERVER, RedisServer
 
 from animal_store import RESOURCES, create_app
+from animal_store.access import last_used
 from animal_store.access.auth import issue_key
 from animal_store.data.models import Pet
 from animal_store.extensions import db
@@ -93,6 +94,8 @@ def make_app(database_url):
         return apps[-1]
 
     yield make
+    # Nothing a test's requests noted is written after it, into the next test's database.
+    flushed = last_used.flush(timeout=30)
     for app in apps:
         with app.app_context():
             db.engine.dispose()
@@ -100,6 +103,7 @@ def make_app(database_url):
         redis_client = app.extensions["animal_store_rate_limits"].redis
         if redis_client is not None:
             redis_client.close()
+    assert flushed, "the last-used writer was still busy 30 s after the test"
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import pytest
 import sqlalchemy as sa
 from declared import PROTECTED
 
+from animal_store.access import last_used as last_used_writer
 from animal_store.access.auth import issue_key
 from animal_store.data.models import ApiKey
 from animal_store.extensions import db
@@ -114,6 +115,7 @@ def test_last_used_is_recorded_at_most_once_a_minute(make_app):
         db.session.commit()
 
     def last_used():
+        assert last_used_writer.flush(timeout=10)
         with app.app_context():
             return db.session.scalar(sa.select(ApiKey.last_used_at))
 

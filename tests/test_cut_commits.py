@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from animal_store.access import last_used
 from animal_store.extensions import db
 
 FATAL = b"SFATAL\0VFATAL\0C57P01\0Mterminating connection due to administrator command\0\0"
@@ -102,8 +103,10 @@ def test_a_connection_cut_after_its_commit_is_a_503_and_the_retry_replays(
     client = app.test_client()
     headers = {"Authorization": f"Bearer {api_key}", "Idempotency-Key": "order-1"}
     body = {"name": "Rex", "categoryId": 1}
-    # The key's last-used time written now, so the creation's COMMIT is the next one.
+    # The key's last-used time written now (by the worker's writer), so the creation's COMMIT is
+    # the next one.
     assert client.get("/v1/pets", headers=headers).status_code == 200
+    assert last_used.flush(timeout=10)
 
     cutter.armed.set()
     cut = client.post("/v1/pets", json=body, headers=headers)

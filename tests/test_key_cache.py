@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
+from animal_store.access import last_used as last_used_writer
 from animal_store.access.auth import CachedKey, KeyCache, issue_key, key_cache
 from animal_store.data.models import ApiKey
 from animal_store.extensions import db
@@ -55,6 +56,7 @@ def key_queries(statements):
 def test_cached_key_is_checked_without_a_query(app, client, statements):
     headers = new_key(app)
     assert client.get("/v1/pets", headers=headers).status_code == 200
+    assert last_used_writer.flush(timeout=10)  # the key's first last-used time
     assert key_queries(statements)
     statements.clear()
     for _ in range(5):
@@ -124,6 +126,7 @@ def test_zero_seconds_disables_the_cache(make_app):
 
 
 def last_used(app):
+    assert last_used_writer.flush(timeout=10)  # written off the requests' path
     with app.app_context():
         return db.session.scalar(sa.select(ApiKey.last_used_at))
 
@@ -132,6 +135,7 @@ def test_last_used_is_written_once_for_many_requests(app, client, statements):
     headers = new_key(app)
     for _ in range(10):
         assert client.get("/v1/pets", headers=headers).status_code == 200
+    assert last_used_writer.flush(timeout=10)
     updates = [s for s in key_queries(statements) if s.lstrip().upper().startswith("UPDATE")]
     assert len(updates) == 1
     assert last_used(app) is not None

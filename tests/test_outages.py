@@ -19,6 +19,7 @@ from conftest import migrate_to_head, start_own_cluster
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 
+from animal_store.access import last_used
 from animal_store.access.auth import issue_key
 from animal_store.data.models import Pet
 from animal_store.extensions import db
@@ -257,6 +258,8 @@ def sqlite_on_tmpfs(tmpfs, make_app, database_url):
         db.session.commit()
     client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+    # The key's first use written too: no write of the test's is on the filesystem after this.
+    assert last_used.flush(timeout=10)
     return app, client, headers, mount_point, remount, database_file
 
 
@@ -295,7 +298,8 @@ def refusals(client, reason):
 def test_sqlite_on_full_disk_says_so_and_serves_reads(sqlite_on_tmpfs, caplog):
     app, client, headers, mount_point, _, database_file = sqlite_on_tmpfs
     counted = refusals(client, "storage_full")
-    # A key not used yet, whose first use is written (its last-used time) as it reads.
+    # A key not used yet: its first use is noted for the worker's writer, whose write of its
+    # last-used time finds the disk full, and the read is served all the same.
     with app.app_context():
         _, reader = issue_key("reader")
         db.session.commit()
@@ -305,6 +309,7 @@ def test_sqlite_on_full_disk_says_so_and_serves_reads(sqlite_on_tmpfs, caplog):
             creations = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(3)]
             listed = client.get("/v1/pets", headers={"Authorization": f"Bearer {reader}"})
             ready = client.get("/readyz")
+            assert last_used.flush(timeout=10)  # the reader's write tried while it is full
         assert refusals(client, "storage_full") == counted + 3
     finally:
         os.remove(filler)

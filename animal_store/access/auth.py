@@ -8,13 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 from cachetools import TTLCache
 from flask import current_app, g, request
-from sqlalchemy.exc import OperationalError
 
 from animal_store import errors
+from animal_store.access import last_used
 from animal_store.access.auth_failures import AuthFailures
 from animal_store.current import G
 from animal_store.data import store
-from animal_store.data.database_faults import remember_full_disk
 from animal_store.data.models import ApiKey
 from animal_store.extensions import db, settings
 
@@ -216,15 +215,9 @@ def look_up_key(key_hash: bytes) -> CachedKey | None:
 
 
 def record_use(entry: CachedKey, now: datetime, resolution: timedelta) -> None:
-    """Write the key's last-used time at most once per `resolution`."""
+    """Have the key's last-used time written at most once per `resolution`, by this process's
+    writer (last_used.py): the request neither waits on the write nor fails with it."""
     if entry.last_used_at is not None and now - entry.last_used_at < resolution:
         return
-    try:
-        store.record_key_use(entry.id, now, resolution)
-    except OperationalError as error:
-        # A full disk refuses writes, not reads: the time waits for space, tried again after
-        # `resolution`, and the request is served. Any other outage is the request's own.
-        if errors.outage_kind(error) is not errors.DATABASE_FULL:
-            raise
-        remember_full_disk()
+    last_used.note_use(entry.id, now, resolution)
     entry.last_used_at = now

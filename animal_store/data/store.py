@@ -5,8 +5,10 @@ commits when the view's block ends and rolls back if it raises: the ORM's sessio
 cost a creation about 65 µs of CPU for nothing, as it writes no objects (issue 35). A read runs on
 a pooled connection of its own (read()), outside the session too: no identity map and no objects,
 which measured cheaper than the session (issue 7), and still read-your-writes, since a creation
-commits before it answers. The key check's bookkeeping (last used) is a transaction of its own,
-so it never mixes with what a view writes.
+commits before it answers. The key check's bookkeeping (a key's last use) is written by the
+process's writer (last_used.py), off the request's path, in a transaction of its own, at most once
+per KEY_LAST_USED_RESOLUTION: it may lag while the database stalls, and a crash loses what was not
+written yet, but it never delays or fails a request and never mixes with what a view writes.
 """
 
 from collections.abc import Mapping
