@@ -10,6 +10,7 @@ import subprocess
 import sys
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import click
 import pytest
@@ -21,6 +22,7 @@ from nginx_server import free_port, stop_process, wait_for_port
 from animal_store import create_app
 from animal_store.data.database import describe_database
 from animal_store.extensions import db
+from animal_store.version import VERSION
 
 
 def test_keys_create_prints_a_working_key_as_last_line(client, runner):
@@ -98,6 +100,8 @@ def test_format_time_is_utc():
 # quickstart on a port that is taken: the key works there only if the program on it says so.
 
 QUICKSTART = [sys.executable, "-m", "flask", "--app", "animal_store", "quickstart", "--port"]
+# The virtualenv's `flask` itself, the command an operator types.
+FLASK = str(Path(sys.executable).parent / "flask")
 
 
 @pytest.fixture
@@ -452,6 +456,29 @@ def test_a_command_without_the_deployment_environment_says_so_and_creates_nothin
     assert list(tmp_path.iterdir()) == []
 
 
+def test_version_prints_the_services_release_and_touches_no_database(tmp_path):
+    # The real `flask` of the virtualenv, as an operator types it; with no deployment
+    # environment, so a database it opened would be the development file named here.
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
+    }
+    environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(tmp_path / "animal_store.sqlite3")
+    result = subprocess.run(
+        [FLASK, "--app", "animal_store", "version"],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    # The words of each worker's "Worker ready" line and of /metrics' build info.
+    assert result.stdout == f"animal-store {VERSION}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 # docs/operations.rst: every command as it is typed on the deployed machine.
 
 DEPLOYED_FLASK = ".venv/bin/flask --app animal_store "
@@ -508,6 +535,7 @@ NOT_TOUCHING_THE_DATABASE = {
     "openapi",
     "errors table",
     "errors nginx",
+    "version",
 }
 ROLE = "shop"
 ROLE_PASSWORD = "Pa55-w0rd-never-printed"  # noqa: S105
