@@ -25,8 +25,9 @@ from werkzeug.exceptions import (
 from animal_store.data.database_faults import (
     READ_ONLY_SQL_TRANSACTION,
     first_line,
+    is_database_outage,
+    is_disk_full,
     is_login_refusal,
-    is_read_only_refusal,
     log_fault,
     login_refused,
     remember_full_disk,
@@ -327,17 +328,10 @@ KIND_OF_STATUS = {
     504: GATEWAY_TIMEOUT,
 }
 
-# What SQLite says when its file cannot be written (read-only, full, broken disk) or stays
-# locked past the busy timeout: conditions of the machine, not bugs of ours.
-SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "locked")
-
 # How the drivers name a unique constraint's refusal: PostgreSQL's SQLSTATE, SQLite's extended
 # result codes (Python's sqlite3 says them by name).
 UNIQUE_VIOLATION = "23505"
 SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
-# A table or index that cannot grow: PostgreSQL's disk_full, SQLite's SQLITE_FULL.
-DISK_FULL = "53100"
-SQLITE_FULL = "SQLITE_FULL"
 # What each outage is called in the metric of refusals (metrics.py), in the log's
 # `databaseFault` and in /readyz.
 OUTAGE_REASONS = {
@@ -450,30 +444,6 @@ def is_unique_violation(error: sa_exc.IntegrityError) -> bool:
     return getattr(error.orig, "sqlite_errorname", None) in SQLITE_UNIQUE_ERRORS
 
 
-def is_database_outage(error: BaseException) -> bool:
-    """Tell a database that cannot be reached or written from a bug in our SQL."""
-    if isinstance(error, sa_exc.DisconnectionError | sa_exc.TimeoutError):
-        return True  # the pool gave up reconnecting, or every connection stayed busy
-    if is_read_only_refusal(error):
-        return True
-    if (
-        isinstance(error, sa_exc.DBAPIError)
-        and error.connection_invalidated
-        and db.engine.dialect.name != "sqlite"
-    ):
-        # The server's connection broke under the statement, whatever the driver called it: a
-        # server shut down (a switchover) right after a COMMIT completed sends its FATAL behind
-        # the COMMIT's answer, which psycopg raises as InternalError ("received 2 results").
-        return True
-    if not isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError):
-        return False
-    if db.engine.dialect.name == "sqlite":
-        # SQLite raises OperationalError for syntax errors and missing tables too: those are bugs.
-        message = str(error.orig).lower()
-        return any(fragment in message for fragment in SQLITE_OUTAGE_MESSAGES)
-    return True
-
-
 def outage_kind(error: BaseException) -> ErrorKind:
     """Tell what keeps the database from serving: a login it refuses, a full disk, a server that
     takes only reads, or one that cannot be reached (the rest)."""
@@ -483,7 +453,7 @@ def outage_kind(error: BaseException) -> ErrorKind:
         return DATABASE_READ_ONLY
     if is_login_refusal(error):
         return DATABASE_LOGIN_REFUSED
-    if sqlstate == DISK_FULL or getattr(cause, "sqlite_errorname", None) == SQLITE_FULL:
+    if is_disk_full(error):
         return DATABASE_FULL
     return DATABASE_UNAVAILABLE
 

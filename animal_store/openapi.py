@@ -42,7 +42,7 @@ def openapi_json() -> Response:
 @public
 def docs() -> Response:
     """Serve the interactive docs page: Swagger UI on the document, nothing from another host."""
-    response = send_from_directory(DOCS_DIR, "docs.html")
+    response = send_docs_file(DOCS_DIR, "docs.html")
     response.headers["Content-Security-Policy"] = DOCS_CSP
     return response
 
@@ -62,7 +62,16 @@ def docs_with_slash() -> Response:
 def docs_file(filename: str) -> Response:
     """Serve the docs page's script and style, and Swagger UI's files."""
     directory = DOCS_DIR if (DOCS_DIR / filename).is_file() else SWAGGER_UI_DIR
-    return send_from_directory(directory, filename)
+    return send_docs_file(directory, filename)
+
+
+def send_docs_file(directory: Path, filename: str) -> Response:
+    """Send a file of `directory` with Werkzeug's conditional answers (ETag, Last-Modified, 304,
+    ranges), and without the Date header they add: the server writes its own. gunicorn drops an
+    app's; the development server (`flask run`, quickstart) sent both."""
+    response = send_from_directory(directory, filename)
+    response.headers.remove("Date")
+    return response
 
 
 def openapi_document() -> bytes:

@@ -1,6 +1,7 @@
 """Fixtures: a fresh, migrated database per test (SQLite file, or PostgreSQL via TEST_DATABASE_URL),
 the app and its clients, API keys, sample animals, and live gunicorn servers."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -63,6 +64,39 @@ def start_own_cluster(**options):
     if BINDIR is None:
         pytest.skip("needs PostgreSQL's server binaries, initdb (Debian: postgresql)")
     return PostgresCluster(**options)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point, owner=None):
+    """Mount a small tmpfs (4 MiB) the test can fill or make read-only, owned by `owner` if
+    given; root only (root ignores file modes). Yields a function that remounts it."""
+    mount_point.mkdir(exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("needs mount(8)")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
+
+    def remount(mode):
+        subprocess.run(["mount", "-o", f"remount,{mode}", str(mount_point)], check=True)
+
+    try:
+        if owner:
+            shutil.chown(mount_point, owner, owner)
+        yield remount
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill(mount_point):
+    """Fill the filesystem with a file of its own, until no space is left; return the file."""
+    filler = mount_point / "filler"
+    with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
+        while True:
+            fill.write(b"\0" * 4096)  # until: no space left on device
+    return filler
 
 
 @pytest.fixture

@@ -4,24 +4,38 @@ saying which database it uses and refusing one without the schema; the documente
 import os
 import re
 import shlex
+import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import click
 import pytest
 from alembic.script import ScriptDirectory
-from conftest import PROJECT_DIR, break_release, copy_release, migrate_to_head, start_own_cluster
+from conftest import (
+    PROJECT_DIR,
+    TEST_DATABASE_URL,
+    break_release,
+    copy_release,
+    fill,
+    migrate_to_head,
+    mounted_tmpfs,
+    start_own_cluster,
+)
 from flask_migrate import upgrade
 from nginx_server import free_port, stop_process, wait_for_port
 
 from animal_store import create_app
 from animal_store.access import last_used
+from animal_store.access.auth import issue_key
 from animal_store.data.database import describe_database
+from animal_store.data.models import IdempotencyRecord
 from animal_store.extensions import db
+from animal_store.version import VERSION
 
 
 def test_keys_create_prints_a_working_key_as_last_line(client, runner):
@@ -100,6 +114,8 @@ def test_format_time_is_utc():
 # quickstart on a port that is taken: the key works there only if the program on it says so.
 
 QUICKSTART = [sys.executable, "-m", "flask", "--app", "animal_store", "quickstart", "--port"]
+# The virtualenv's `flask` itself, the command an operator types.
+FLASK = str(Path(sys.executable).parent / "flask")
 
 
 @pytest.fixture
@@ -454,6 +470,29 @@ def test_a_command_without_the_deployment_environment_says_so_and_creates_nothin
     assert list(tmp_path.iterdir()) == []
 
 
+def test_version_prints_the_services_release_and_touches_no_database(tmp_path):
+    # The real `flask` of the virtualenv, as an operator types it; with no deployment
+    # environment, so a database it opened would be the development file named here.
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
+    }
+    environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(tmp_path / "animal_store.sqlite3")
+    result = subprocess.run(
+        [FLASK, "--app", "animal_store", "version"],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    # The words of each worker's "Worker ready" line and of /metrics' build info.
+    assert result.stdout == f"animal-store {VERSION}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 # docs/operations.rst: every command as it is typed on the deployed machine.
 
 DEPLOYED_FLASK = ".venv/bin/flask --app animal_store "
@@ -510,6 +549,7 @@ NOT_TOUCHING_THE_DATABASE = {
     "openapi",
     "errors table",
     "errors nginx",
+    "version",
 }
 ROLE = "shop"
 ROLE_PASSWORD = "Pa55-w0rd-never-printed"  # noqa: S105
@@ -591,6 +631,147 @@ def test_every_command_refuses_a_database_it_cannot_use_in_one_line(
     assert problem in refusal
     assert ROLE_PASSWORD not in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["existing.dump"]
+
+
+# A fault met while a command runs, once its database has answered: a full disk, and a server that
+# takes only reads (a standby; here a database with default_transaction_read_only). Every command
+# that writes says it in one line too, each with the migration its database is at to write.
+
+PREVIOUS = (
+    ScriptDirectory(PROJECT_DIR / "animal_store" / "migrations").get_revision(HEAD).down_revision
+)
+WRITING_COMMANDS = {
+    "keys create": (["keys", "create", "shop-2"], HEAD),
+    "keys set-limit": (["keys", "set-limit", "shop", "5/second"], HEAD),
+    "keys rotate": (["keys", "rotate", "shop"], HEAD),
+    "keys revoke": (["keys", "revoke", "shop"], HEAD),
+    "idempotency purge": (["idempotency", "purge"], HEAD),
+    "seed": (["seed", "1"], HEAD),
+    "quickstart": (["quickstart", "--port", "{taken_port}"], HEAD),
+    "db upgrade": (["db", "upgrade"], PREVIOUS),
+    "db downgrade": (["db", "downgrade"], HEAD),
+    "db stamp": (["db", "stamp", PREVIOUS], HEAD),
+}
+FULL_DISK = (
+    "Error: The database has no space left for writes: database or disk is full. Free space on "
+    "its disk, then run the command again."
+)
+
+# The statement refused: INSERT, UPDATE, DELETE, COPY FROM, DROP TRIGGER...
+READ_ONLY = (
+    r"Error: The database takes only reads: cannot execute [A-Z ]+ in a read-only transaction\. "
+    r"DATABASE_URL names a standby, or a database set read-only: give it the primary's\."
+)
+
+
+def prepare(url, revision):
+    """Migrate the database to `revision`; at the newest, give it the key 'shop' and an expired
+    Idempotency-Key, so that every command of WRITING_COMMANDS has something to write."""
+    app = create_app({"DATABASE_URL": url})
+    with app.app_context():
+        upgrade(revision=revision)
+        if revision == HEAD:
+            api_key, _ = issue_key("shop")
+            db.session.flush()
+            past = datetime.now(UTC) - timedelta(days=2)
+            db.session.add(
+                IdempotencyRecord(
+                    api_key_id=api_key.id,
+                    target_hash=bytes(32),
+                    key="spent",
+                    fingerprint=bytes(32),
+                    claim="0" * 32,
+                    claimed_at=past,
+                    expires_at=past,
+                )
+            )
+            db.session.commit()
+        db.engine.dispose()
+
+
+def run_command(url, words, tmp_path):
+    app = create_app({"DATABASE_URL": url})
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # were quickstart to get to serving
+        words = [
+            word.format(tmp_path=tmp_path, taken_port=taken.getsockname()[1]) for word in words
+        ]
+        result = app.test_cli_runner().invoke(args=words)
+    with app.app_context():
+        db.engine.dispose()
+    return result
+
+
+def refusal(result):
+    """The one line a command ended with: no traceback, nothing on stdout, and nothing on stderr
+    but that line, the database line and Alembic's lines of what it began."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # a ClickException, not a traceback
+    assert result.stdout == ""
+    said = [line for line in result.stderr.splitlines() if not line.startswith("INFO  [alembic")]
+    assert said[0].startswith("Database: ") or said[0].startswith("Error: "), said
+    (error,) = said[1:] if said[0].startswith("Database: ") else said
+    return error
+
+
+@pytest.fixture(scope="module")
+def sqlite_at(tmp_path_factory):
+    """A SQLite file prepared at each revision asked for, made once for the module, to copy."""
+    files = {}
+
+    def file_at(revision):
+        if revision not in files:
+            files[revision] = tmp_path_factory.mktemp("prepared") / "store.sqlite3"
+            prepare(f"sqlite:///{files[revision]}", revision)
+        return files[revision]
+
+    return file_at
+
+
+@pytest.mark.parametrize("command", WRITING_COMMANDS.values(), ids=WRITING_COMMANDS.keys())
+def test_every_command_that_writes_says_a_full_disk_in_one_line(tmp_path, sqlite_at, command):
+    if TEST_DATABASE_URL:
+        pytest.skip("runs in the pass without TEST_DATABASE_URL: a SQLite file of its own")
+    words, revision = command
+    with mounted_tmpfs(tmp_path / "tmpfs"):
+        path = tmp_path / "tmpfs" / "store.sqlite3"
+        shutil.copyfile(sqlite_at(revision), path)
+        # The service holds the file open, as while it serves: the write-ahead log is there, so
+        # the command reads, and finds no room to write. (With the file closed everywhere, opening
+        # it needs room too, and SQLite says "disk I/O error", which the commands say as well.)
+        with closing(sqlite3.connect(path)) as service:
+            service.execute("SELECT count(*) FROM alembic_version").fetchall()
+            fill(tmp_path / "tmpfs")
+            result = run_command(f"sqlite:///{path}", words, tmp_path)
+    assert refusal(result) == FULL_DISK
+
+
+@pytest.fixture(scope="module")
+def read_only_at(password_cluster):
+    """A database of the password cluster prepared at each revision asked for, then set to take
+    only reads, made once for the module: nothing a command tries is written."""
+    urls = {}
+
+    def url_at(revision):
+        if revision not in urls:
+            name = f"read_only_{len(urls)}"
+            password_cluster.create_database(name, owner=ROLE)
+            urls[revision] = (
+                f"postgresql://{ROLE}:{ROLE_PASSWORD}@127.0.0.1:{password_cluster.port}/{name}"
+            )
+            prepare(urls[revision], revision)
+            password_cluster.sql(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        return urls[revision]
+
+    return url_at
+
+
+@pytest.mark.parametrize("command", WRITING_COMMANDS.values(), ids=WRITING_COMMANDS.keys())
+def test_every_command_that_writes_says_a_read_only_database_in_one_line(
+    tmp_path, read_only_at, command
+):
+    words, revision = command
+    error = refusal(run_command(read_only_at(revision), words, tmp_path))
+    assert re.fullmatch(READ_ONLY, error), error
 
 
 @pytest.mark.parametrize("command", [("db", "upgrade"), ("keys", "list")])

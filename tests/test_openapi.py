@@ -2,13 +2,16 @@
 
 import json
 import re
+import socket
 import sys
+import threading
 import unicodedata
 
 import pytest
 from declared import OPERATIONS, PROTECTED, declared_fields, operations
 from marshmallow import ValidationError
 from openapi_spec_validator import validate
+from werkzeug.serving import make_server
 
 from animal_store.errors import APIError
 from animal_store.idempotency.header import KEY_PATTERN as IDEMPOTENCY_KEY_PATTERN
@@ -384,6 +387,45 @@ def test_docs_files_are_served_from_installed_packages(client, filename, mimetyp
         assert response.status_code == 200
         assert response.mimetype == mimetype
         assert len(response.get_data()) > 0
+
+
+@pytest.fixture
+def development_server(app):
+    """The threaded development server (`flask run`, quickstart) on the test's app: its port."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.port
+    server.shutdown()
+
+
+def answer_head(port, path, *headers):
+    """The status and the header lines of the answer to GET `path`, as they came on the wire."""
+    request = "\r\n".join([f"GET {path} HTTP/1.1", "Host: 127.0.0.1", *headers, "", ""])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(request.encode())
+        # Read to the end: the development server closes once its answer is sent.
+        received = b""
+        while data := connection.recv(65536):
+            received += data
+    status_line, *lines = received.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    return int(status_line.split()[1]), lines
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/docs", "/v1/docs/docs.js", "/v1/docs/docs.css", "/v1/docs/swagger-ui.css"]
+)
+def test_docs_files_carry_one_date_on_the_development_server(development_server, path):
+    # The server writes Date, as gunicorn does (which drops an app's): Werkzeug's send_file, which
+    # serves these files, made one of its own, and the development server sent both.
+    status, lines = answer_head(development_server, path)
+    assert status == 200
+    dates = [line for line in lines if line.lower().startswith("date:")]
+    assert len(dates) == 1, lines
+    # Unchanged since: 304, with one Date too.
+    (tag,) = [line.partition(":")[2].strip() for line in lines if line.lower().startswith("etag:")]
+    status, lines = answer_head(development_server, path, f"If-None-Match: {tag}")
+    assert status == 304
+    assert len([line for line in lines if line.lower().startswith("date:")]) == 1, lines
 
 
 @pytest.mark.parametrize("filename", ["nope.js", "../openapi.py", "..%2Fopenapi.py"])

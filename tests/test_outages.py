@@ -8,14 +8,13 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
-from conftest import migrate_to_head, start_own_cluster
+from conftest import fill, migrate_to_head, mounted_tmpfs, start_own_cluster
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 
@@ -205,44 +204,11 @@ def test_slow_statement_is_cancelled_as_503(make_app, database_url):
     assert time.monotonic() - started < 3
 
 
-@contextlib.contextmanager
-def mounted_tmpfs(mount_point, owner=None):
-    """Mount a small tmpfs (4 MiB) the test can fill or make read-only, owned by `owner` if
-    given; root only (root ignores file modes). Yields a function that remounts it."""
-    mount_point.mkdir(exist_ok=True)
-    if shutil.which("mount") is None:
-        pytest.skip("needs mount(8)")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
-
-    def remount(mode):
-        subprocess.run(["mount", "-o", f"remount,{mode}", str(mount_point)], check=True)
-
-    try:
-        if owner:
-            shutil.chown(mount_point, owner, owner)
-        yield remount
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
 @pytest.fixture
 def tmpfs(tmp_path):
     mount_point = tmp_path / "tmpfs"
     with mounted_tmpfs(mount_point) as remount:
         yield mount_point, remount
-
-
-def fill(mount_point):
-    """Fill the filesystem with a file of its own, until no space is left; return the file."""
-    filler = mount_point / "filler"
-    with open(filler, "wb", buffering=0) as fill, contextlib.suppress(OSError):
-        while True:
-            fill.write(b"\0" * 4096)  # until: no space left on device
-    return filler
 
 
 @pytest.fixture

@@ -16,6 +16,9 @@ import pytest
 from conftest import Gunicorn
 
 from animal_store import errors
+from animal_store.access.auth import issue_key
+from animal_store.default_settings import MAX_CONTENT_LENGTH
+from animal_store.extensions import db
 
 # Short enough for the test, long enough that no busy machine's pause reads as a stalled client.
 BODY_TIMEOUT = 1
@@ -148,3 +151,76 @@ def trickle(connection, body, pause):
     for start in range(0, len(body), piece):
         time.sleep(pause)
         connection.sendall(body[start : start + piece])
+
+
+# Expect: 100-continue. A client that sends it waits for 100 Continue before it sends its body:
+# a refusal the headers decide (the key, its scope, the Content-Type, a Content-Length over
+# MAX_CONTENT_LENGTH) is answered instead, so the body is never sent; the body is asked for when
+# the app reads it.
+CREATE = b"POST /v1/pets HTTP/1.1\r\nExpect: 100-continue\r\n"
+JSON = "application/json"
+# The key sent (none, one that may only read, one that may write), the Content-Type and the
+# Content-Length, and the answer.
+REFUSED_BEFORE_THE_BODY = {
+    "no key": (None, JSON, 2_000_000, 401, "unauthorized"),
+    "a key that may only read": (("read",), JSON, 2_000_000, 403, "forbidden"),
+    "not JSON": (("read", "write"), "text/plain", 2_000_000, 415, "unsupported_media_type"),
+    "2 MB": (("read", "write"), JSON, 2_000_000, 413, "payload_too_large"),
+    "a byte over the limit": (
+        ("read", "write"),
+        JSON,
+        MAX_CONTENT_LENGTH + 1,
+        413,
+        "payload_too_large",
+    ),
+}
+
+
+@pytest.fixture
+def key_with(app):
+    """Make a key with these scopes; return the key itself."""
+
+    def make(scopes):
+        with app.app_context():
+            _, key = issue_key(f"scopes-{'-'.join(scopes)}", scopes=scopes)
+            db.session.commit()
+        return key
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("scopes", "content_type", "length", "status", "code"),
+    REFUSED_BEFORE_THE_BODY.values(),
+    ids=REFUSED_BEFORE_THE_BODY.keys(),
+)
+def test_a_refusal_the_headers_decide_comes_instead_of_100_continue(
+    module_gunicorn, key_with, count_pets, scopes, content_type, length, status, code
+):
+    head = CREATE + f"Content-Type: {content_type}\r\nContent-Length: {length}\r\n".encode()
+    key = key_with(scopes) if scopes else None
+    # The headers alone: the client sends its body only once asked.
+    connection = send(module_gunicorn.port, head, key, b"\r\n")
+    answer = b""
+    with connection:
+        while chunk := connection.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["code"] == code
+    assert count_pets() == 0
+
+
+def test_a_body_the_app_reads_is_asked_for_with_100_continue(module_gunicorn, api_key):
+    body = b'{"name": "Rex", "categoryId": 1}'
+    head = CREATE + f"Content-Type: {JSON}\r\nContent-Length: {len(body)}\r\n".encode()
+    connection = send(module_gunicorn.port, head, api_key, b"\r\n")
+    asked = b""
+    while not asked.endswith(b"\r\n\r\n"):
+        data = connection.recv(1)
+        assert data, f"closed without asking for the body: {asked!r}"
+        asked += data
+    assert asked == b"HTTP/1.1 100 Continue\r\n\r\n"
+    connection.sendall(body)
+    status, created, _ = read_answer(connection)
+    assert (status, created["name"]) == (201, "Rex")

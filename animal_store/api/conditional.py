@@ -72,8 +72,8 @@ def conditional(view: Callable[..., Any]) -> Callable[..., Response]:
 
     If-None-Match uses the weak comparison (RFC 9110 13.1.2): a listed tag matches with or
     without its W/ prefix, and `*` matches any current representation. Werkzeug's pieces, but not
-    its Response.make_conditional: that adds a Date header, and gunicorn writes one of its own, so
-    the answer would carry two.
+    its Response.make_conditional: that adds a Date header, which the server writes itself
+    (gunicorn drops an app's, the development server would send both).
     """
 
     @wraps(view)

@@ -1,5 +1,5 @@
 """The command line, all registered here: `flask keys ...` for API keys, `flask quickstart` for a
-first run, and the commands of the other modules."""
+first run, `flask version`, and the commands of the other modules."""
 
 import re
 from datetime import UTC, datetime, timedelta
@@ -20,6 +20,7 @@ from animal_store.data.models import ApiKey
 from animal_store.extensions import db, settings
 from animal_store.idempotency.claims import purge_expired
 from animal_store.openapi import print_openapi
+from animal_store.version import VERSION
 
 keys_cli = AppGroup("keys", help="Create, list, limit, rotate and revoke API keys.")
 # What `keys set-limit` takes to give a key the service's RATE_LIMIT again.
@@ -225,6 +226,13 @@ def print_nginx_errors() -> None:
     click.echo(errors.nginx_error_locations(settings(current_app)))
 
 
+@click.command("version")
+def print_version() -> None:
+    """Print the service's version. As each worker's "Worker ready" line says it, of the code
+    on disk; `flask --version` prints Flask's."""
+    click.echo(f"animal-store {VERSION}")
+
+
 def find_named_key(name: str) -> ApiKey:
     api_key: ApiKey | None = db.session.scalar(db.select(ApiKey).where(ApiKey.name == name))
     if api_key is None:
@@ -257,5 +265,6 @@ def register_commands(app: Flask) -> None:
     app.cli.add_command(restore_command)
     app.cli.add_command(idempotency_cli)
     app.cli.add_command(errors_cli)
+    app.cli.add_command(print_version)
     # Over flask-smorest's `openapi` group: `flask openapi` prints the served document.
     app.cli.add_command(print_openapi)

@@ -1,8 +1,9 @@
 """`flask seed COUNT`: sample animals in bulk, for benchmarks, demos and the docs."""
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import click
+import psycopg
 import sqlalchemy as sa
 from flask.cli import with_appcontext
 
@@ -11,9 +12,6 @@ from animal_store.data.models import PET_STATUSES
 from animal_store.data.store import PETS
 from animal_store.extensions import db
 
-if TYPE_CHECKING:
-    import psycopg
-
 # An animal's columns but its id: a status or None.
 SampleRow = dict[str, str | int | None]
 
@@ -21,6 +19,7 @@ SAMPLE_NAMES = ("Rex", "Kitty", "Bubbles", "Polly", "Nibbles", "Shadow", "Goldie
 # Every status of the enum, and animals without one, in equal shares.
 SAMPLE_STATUSES = (*PET_STATUSES, None)
 BATCH_SIZE = 10_000
+COPY = "COPY pets (name, category_id, status) FROM STDIN"
 
 
 def sample_pet(number: int) -> SampleRow:
@@ -48,12 +47,18 @@ def seed_pets(count: int) -> None:
 def copy_rows(connection: sa.Connection, rows: list[SampleRow]) -> None:
     # COPY is several times faster than even batched INSERTs for a million rows.
     driver_connection = cast("psycopg.Connection[Any]", connection.connection.driver_connection)
-    with (
-        driver_connection.cursor() as cursor,
-        cursor.copy("COPY pets (name, category_id, status) FROM STDIN") as copy,
-    ):
-        for row in rows:
-            copy.write_row((row["name"], row["category_id"], row["status"]))
+    try:
+        with (
+            driver_connection.cursor() as cursor,
+            cursor.copy(COPY) as copy,
+        ):
+            for row in rows:
+                copy.write_row((row["name"], row["category_id"], row["status"]))
+    except psycopg.Error as error:
+        # COPY goes past SQLAlchemy: its error is wrapped as SQLAlchemy wraps every statement's,
+        # so that a fault of the database (a full disk, a standby) is told apart alike and said
+        # in one line (data/database.py).
+        raise sa.exc.DBAPIError.instance(COPY, None, error, psycopg.Error) from error
 
 
 @click.command("seed")

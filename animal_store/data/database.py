@@ -1,6 +1,9 @@
 """The database a command works on: each command that reads or writes data first says which one
 it is and where that choice came from, and refuses a database without the schema, or one it
-cannot use (a wrong password, a host that does not answer, a missing database), in one line.
+cannot use (a wrong password, a host that does not answer, a missing database), in one line. A
+fault the database meets while the command runs (a full disk, a server that takes only reads or
+went away) ends it in one line too: `uses_database` says it for the store's commands, `connect`
+for Alembic's (`flask db ...`), both through `faults_in_one_line`.
 
 Without the deployment's environment the settings fall back to a development SQLite file in the
 checkout; a command run from a shell that forgot the environment file would then write where the
@@ -10,7 +13,8 @@ service never reads, so the line on stderr says so before anything is done.
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -19,9 +23,16 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from flask import Config, current_app, g
 from sqlalchemy import Connection, create_engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from animal_store.data.database_faults import first_line, is_login_refusal, login_refused
+from animal_store.data.database_faults import (
+    first_line,
+    is_database_outage,
+    is_disk_full,
+    is_login_refusal,
+    is_read_only_refusal,
+    login_refused,
+)
 from animal_store.extensions import db
 from animal_store.settings import masked_url
 
@@ -42,20 +53,49 @@ def describe_database() -> str:
     return f"{masked_url(db.engine.url)} ({source})"
 
 
-def cannot_use(error: DBAPIError) -> click.ClickException:
-    """The one-line refusal of a database a command cannot use: the driver's first line, which
-    names the host, the user or the database, never the password."""
-    reason = str(error.orig).strip().splitlines()[0]
+def cannot_use(error: SQLAlchemyError) -> click.ClickException:
+    """The one-line refusal of a database a command cannot use, in the driver's first line, which
+    names the host, the user or the database, never the password: a full disk and a server that
+    takes only reads are named as such, with what to do."""
+    reason = first_line(getattr(error, "orig", None) or error)
+    if is_disk_full(error):
+        return click.ClickException(
+            f"The database has no space left for writes: {reason}. Free space on its disk, then "
+            "run the command again."
+        )
+    if is_read_only_refusal(error):
+        return click.ClickException(
+            f"The database takes only reads: {reason}. DATABASE_URL names a standby, or a "
+            "database set read-only: give it the primary's."
+        )
     return click.ClickException(f"Cannot use the database: {reason}")
 
 
-def connect() -> Connection:
-    """Connect to the app's database, or refuse it in one line (`flask db ...` too, through
-    migrations/env.py), rather than with the driver's traceback."""
+@contextmanager
+def faults_in_one_line() -> Iterator[None]:
+    """Say a fault of the database met in the block (a full disk, a server that takes only reads,
+    went away or refuses the login: database_faults.is_database_outage) in one line, as the
+    refusal of a database a command cannot use; an error that is a bug keeps its traceback."""
     try:
-        return db.engine.connect()
-    except DBAPIError as error:
+        yield
+    except SQLAlchemyError as error:
+        if not is_database_outage(error):
+            raise
         raise cannot_use(error) from None
+
+
+@contextmanager
+def connect() -> Iterator[Connection]:
+    """Connect to the app's database, or refuse it in one line, and say a fault met while the
+    connection is used in one line too (`flask db ...`, through migrations/env.py), rather than
+    with the driver's traceback."""
+    with faults_in_one_line():
+        try:
+            connection = db.engine.connect()
+        except DBAPIError as error:
+            raise cannot_use(error) from None
+        with connection:
+            yield connection
 
 
 def current_revision() -> str | None:
@@ -102,7 +142,8 @@ def uses_database(
     schema: bool = True,
 ) -> Callable[[Callable[Params, Result]], Callable[Params, Result]]:
     """Make a command say which database it uses, on stderr, and refuse one it cannot use before
-    it runs: with `schema`, one without this code's schema; without, one it cannot connect to."""
+    it runs: with `schema`, one without this code's schema; without, one it cannot connect to.
+    A fault the database meets while the command runs ends it in one line too."""
 
     def decorate(command: Callable[Params, Result]) -> Callable[Params, Result]:
         @functools.wraps(command)
@@ -114,8 +155,10 @@ def uses_database(
                 require_schema()
             elif db.engine.url.get_backend_name() != "sqlite":
                 # (Opening a SQLite file creates it: these commands create or replace it anyway.)
-                connect().close()
-            return command(*args, **kwargs)
+                with connect():
+                    pass
+            with faults_in_one_line():
+                return command(*args, **kwargs)
 
         return run
 

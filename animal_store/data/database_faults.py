@@ -37,6 +37,12 @@ LOGIN_REFUSALS = re.compile(
     r"password authentication failed|no pg_hba\.conf entry|pg_hba\.conf rejects"
     r"|is not permitted to log in|role \".*\" does not exist|no password supplied"
 )
+# A table or index that cannot grow: PostgreSQL's disk_full, SQLite's SQLITE_FULL.
+DISK_FULL = "53100"
+SQLITE_FULL = "SQLITE_FULL"
+# What SQLite says when its file cannot be written (read-only, full, broken disk) or stays
+# locked past the busy timeout: conditions of the machine, not bugs of ours.
+SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "locked")
 # How often a fault that lasts is logged again, at most (seconds).
 LOG_EVERY = 60.0
 
@@ -107,6 +113,39 @@ def remember_full_disk() -> None:
 def disk_full() -> bool:
     """Whether the last write this worker tried found the database's disk full."""
     return database_faults(current_app).full_since is not None
+
+
+def is_database_outage(error: BaseException) -> bool:
+    """Tell a database that cannot be reached or written from a bug in our SQL."""
+    if isinstance(error, sa_exc.DisconnectionError | sa_exc.TimeoutError):
+        return True  # the pool gave up reconnecting, or every connection stayed busy
+    if is_read_only_refusal(error):
+        return True
+    if (
+        isinstance(error, sa_exc.DBAPIError)
+        and error.connection_invalidated
+        and db.engine.dialect.name != "sqlite"
+    ):
+        # The server's connection broke under the statement, whatever the driver called it: a
+        # server shut down (a switchover) right after a COMMIT completed sends its FATAL behind
+        # the COMMIT's answer, which psycopg raises as InternalError ("received 2 results").
+        return True
+    if not isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError):
+        return False
+    if db.engine.dialect.name == "sqlite":
+        # SQLite raises OperationalError for syntax errors and missing tables too: those are bugs.
+        message = str(error.orig).lower()
+        return any(fragment in message for fragment in SQLITE_OUTAGE_MESSAGES)
+    return True
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Tell a write refused for want of space: PostgreSQL's disk_full, SQLite's SQLITE_FULL."""
+    cause = getattr(error, "orig", None)
+    return (
+        getattr(cause, "sqlstate", None) == DISK_FULL
+        or getattr(cause, "sqlite_errorname", None) == SQLITE_FULL
+    )
 
 
 def is_read_only_refusal(error: BaseException) -> bool:

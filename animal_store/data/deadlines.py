@@ -58,8 +58,9 @@ LOG = logging.getLogger("animal_store.data.deadlines")
 
 
 class DeadlinePassed(sa_exc.TimeoutError):
-    """The request's database deadline passed, or a recent one did: errors.is_database_outage
-    counts it as an outage (a TimeoutError, as the pool's own)."""
+    """The request's database deadline passed, or a recent one did:
+    database_faults.is_database_outage counts it as an outage (a TimeoutError, as the pool's
+    own)."""
 
 
 class Backoff:

@@ -54,7 +54,8 @@ def run_migrations_online() -> None:
     # Which database `flask db ...` changes, and where that choice came from.
     if not g.get("database_said"):
         logger.info("Database: %s", describe_database())
-    # A database it cannot use is refused in one line, as by every other command (database.py).
+    # A database it cannot use is refused in one line, as by every other command, and so is a
+    # fault met while migrating: a full disk, a server that takes only reads (database.py).
     with connect() as connection:
         # Flask-Migrate's configure_args include render_as_batch, which SQLite needs for ALTERs.
         context.configure(connection=connection, target_metadata=db.metadata, **conf_args)
