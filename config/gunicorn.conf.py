@@ -7,20 +7,12 @@ animal_store/serving/worker.py. The hooks import the package when they run, not 
 master holds nothing of the release past a reload (the worker class's docstring says how).
 """
 
-import json
-import logging
 import os
-from collections.abc import MutableMapping
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
-
-from gunicorn import glogging
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     # For the checker only: nothing of Flask or the app in the master.
     from gunicorn.arbiter import Arbiter
-    from gunicorn.http import Request
-    from gunicorn.http.wsgi import Response
     from gunicorn.workers.base import Worker
 
 bind = os.environ.get("ANIMAL_STORE_BIND", "127.0.0.1:8000")
@@ -97,46 +89,14 @@ def child_exit(server: "Arbiter", worker: "Worker") -> None:
 accesslog = None
 
 
-class Logger(glogging.Logger):
-    """gunicorn's logger without its access line. `accesslog = None` is not enough: given a
-    logging config (logconfig_dict, below), gunicorn builds the line's fields for every request
-    anyway, a tenth of a worker's CPU on a list request (docs/benchmarks.rst)."""
-
-    def access(
-        self,
-        resp: "Response",
-        req: "Request",
-        environ: MutableMapping[str, Any],
-        request_time: timedelta,
-    ) -> None:
-        pass
-
-
-class JsonFormatter(logging.Formatter):
-    """gunicorn's own lines (boot, reloads, workers started and stopped) as JSON, with the keys
-    of the app's (animal_store/observability/logs.py): the master imports nothing of the app, so the
-    formatter is here, and a reload reads it anew with the rest of this file."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-            **getattr(record, "fields", {}),
-        }
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-logger_class = Logger
+# gunicorn's logger without its access line, its lines as JSON (the module's docstring).
+logger_class = "animal_store.serving.gunicorn_log.Logger"
 errorlog = "-"
 # gunicorn's error log (boot, worker exits, timeouts) as JSON lines on stdout too, like the app's.
 logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": JsonFormatter}},
+    "formatters": {"json": {"()": "animal_store.serving.gunicorn_log.JsonFormatter"}},
     "handlers": {
         "stdout": {
             "class": "logging.StreamHandler",
