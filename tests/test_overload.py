@@ -150,13 +150,14 @@ def test_a_surge_is_served_in_turn_and_what_waited_too_long_is_shed(
                 os.kill(pid, signal.SIGCONT)
         answers = wrk.finish(run, timeout=90)
         shed = wait_for_shed(metrics, shed_before, answers.statuses.get(503, 0))
+        own_p99 = p99_bound(scrape(metrics), "listPets")
     finally:
         nginx.stop()
     queued = frozen["animal_store_listen_queue_connections", listener]
     print(
         f"{CLIENTS} clients, workers frozen {FROZEN} s: answers {answers.statuses}, socket errors "
         f"{answers.errors}; scrape while frozen {took * 1000:.0f} ms, {queued:.0f} queued; "
-        f"{shed:.0f} shed; p99 {answers.percentiles.get(99)} s"
+        f"{shed:.0f} shed; p99 {answers.percentiles.get(99)} s, the app's own at most {own_p99} s"
     )
     # Every client answered: nothing refused, reset or left waiting, and no 5xx but the shed.
     assert not any(answers.errors.values()), answers.errors
@@ -169,6 +170,26 @@ def test_a_surge_is_served_in_turn_and_what_waited_too_long_is_shed(
     # With the workers stopped, the clients' requests wait in the queue, and the scrape shows it.
     assert queued >= CLIENTS // 2
     assert took < 2
+    # AnimalStoreSaturated's tell (config/prometheus/alerts.yml): with the workers short of CPU
+    # (here none at all for FROZEN s) the clients wait seconds, and the app's own p99, which
+    # leaves the wait out, stays within the list's objective (the two requests frozen mid-way are
+    # far under 1 %). tests/test_prometheus.py has it high when the database holds requests.
+    assert answers.percentiles[99] >= 1
+    assert own_p99 <= 0.1
+
+
+def p99_bound(samples, operation) -> float:
+    """The least bucket bound of the app's 2xx durations of an operation that holds 99 % of them:
+    its p99 is at most that."""
+    buckets = sorted(
+        (float(dict(labels)["le"]), count)
+        for (name, labels), count in samples.items()
+        if name == "animal_store_request_duration_seconds_bucket"
+        and dict(labels)["operation"] == operation
+        and dict(labels)["status_class"] == "2xx"
+    )
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= 0.99 * total)
 
 
 def wait_for_shed(metrics, before, at_least, timeout=10) -> float:
