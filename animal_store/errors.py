@@ -290,7 +290,7 @@ OVERLOADED = ErrorKind(
     "service_unavailable",
     "The service is overloaded: the request waited too long for a worker; retry later.",
     "The request waited longer than `REQUEST_QUEUE_TIMEOUT` for a worker, in a surge of "
-    "requests, and was answered at once; nothing was changed.",
+    "requests, and was answered unserved by the worker that took it; nothing was changed.",
     ("Retry-After",),
 )
 SERVICE_UNAVAILABLE = ErrorKind(

@@ -1,8 +1,8 @@
 """Overload: a surge of clients is queued and served at the workers' pace; a request that waited
-longer than REQUEST_QUEUE_TIMEOUT for a worker is answered 503 at once, unserved, with
-Retry-After (animal_store/http/shedding.py), and one whose client has gone is not run at all
-(animal_store/serving/worker.py); the metrics listener shows the queue and counts the shed and
-the abandoned.
+longer than REQUEST_QUEUE_TIMEOUT for a worker is answered 503 unserved, with Retry-After, by the
+worker that takes it (animal_store/http/shedding.py), and one whose client has gone is not run at
+all (animal_store/serving/worker.py); the metrics listener shows the queue and counts the shed
+and the abandoned.
 
 The shedding rule is tried in the app; the surge with real nginx on the shipped files, gunicorn
 on the production config and wrk's keep-alive clients, its workers frozen (SIGSTOP) past the
@@ -321,3 +321,30 @@ def test_a_request_whose_client_has_gone_is_not_served_and_counted_apart(
     assert answered.pop((operation, "503")) == 1
     assert not {series for series in answered if series[0] == operation}, answered
     assert count_pets() == 0
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
+def test_what_waited_too_long_is_answered_once_a_worker_takes_it(frozen_instance):
+    # Only a worker sheds (docs/deploy.rst, Overload): with every worker stopped, the 503 for a
+    # request that waited past REQUEST_QUEUE_TIMEOUT (1 s) comes as they resume, not at 1 s.
+    gunicorn, nginx, key, _ = frozen_instance
+    workers = worker_pids(gunicorn)
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = time.monotonic()
+        waiting = open_request(nginx, "GET", key)
+        time.sleep(FROZEN)
+        resumed = time.monotonic()
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    status, headers = read_status(waiting)
+    answered = time.monotonic()
+    print(
+        f"workers stopped {FROZEN} s, REQUEST_QUEUE_TIMEOUT {QUEUE_TIMEOUT_WHILE_FROZEN} s: "
+        f"the 503 after {answered - sent:.2f} s, {answered - resumed:.2f} s after they resumed"
+    )
+    assert (status, headers["retry-after"]) == (503, "5")
+    assert answered - sent >= FROZEN
+    assert answered - resumed < 2  # a loaded machine's slack

@@ -96,8 +96,8 @@ DATABASE_REFUSALS = Counter(
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
 SHED = Counter(
     "animal_store_requests_shed",
-    "Requests answered 503 at once, unserved, because they waited longer than "
-    "REQUEST_QUEUE_TIMEOUT for a worker.",
+    "Requests answered 503 unserved, because they waited longer than REQUEST_QUEUE_TIMEOUT for "
+    "a worker.",
 )
 # Counted by the worker class (serving/worker.py), from 0 on every instance: requests nginx had
 # given up on (its client gone) before a worker took them, neither served nor answered, so not in
