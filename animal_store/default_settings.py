@@ -80,10 +80,10 @@ READYZ_TIMEOUT = 0.3
 DATABASE_RETRY_AFTER = 5
 
 # A request that waited longer than this many seconds for a worker (from nginx's X-Request-Start)
-# is answered 503 at once (animal_store/http/shedding.py): well above the wait of a surge the
-# workers hold (a p99 of 1.9 s at 4,096 clients on 2 workers, 3.3 s on shared cores:
-# docs/deploy.rst, Overload), well below nginx's 35 s and the time most clients wait. 0 sheds
-# nothing.
+# is answered 503 unserved by the worker that takes it (animal_store/http/shedding.py): well above
+# the wait of a surge the workers hold (a p99 of 1.9 s at 4,096 clients on 2 workers, 3.3 s on
+# shared cores: docs/deploy.rst, Overload), well below nginx's 35 s and the time most clients
+# wait. 0 sheds nothing.
 REQUEST_QUEUE_TIMEOUT = 10
 # Seconds a read of a request's body waits for the client under gunicorn (serving/worker.py)
 # before the request is answered 408: a client that stops sending then holds a worker this long,

@@ -23,12 +23,15 @@ from werkzeug.exceptions import (
 )
 
 from animal_store.data.database_faults import (
+    READ_ONLY,
     READ_ONLY_SQL_TRANSACTION,
+    UNAVAILABLE,
     first_line,
     is_database_outage,
     is_disk_full,
     is_login_refusal,
     log_fault,
+    log_outage,
     login_refused,
     remember_full_disk,
 )
@@ -288,7 +291,7 @@ OVERLOADED = ErrorKind(
     "service_unavailable",
     "The service is overloaded: the request waited too long for a worker; retry later.",
     "The request waited longer than `REQUEST_QUEUE_TIMEOUT` for a worker, in a surge of "
-    "requests, and was answered at once; nothing was changed.",
+    "requests, and was answered unserved by the worker that took it; nothing was changed.",
     ("Retry-After",),
 )
 SERVICE_UNAVAILABLE = ErrorKind(
@@ -335,8 +338,8 @@ SQLITE_UNIQUE_ERRORS = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKE
 # What each outage is called in the metric of refusals (metrics.py), in the log's
 # `databaseFault` and in /readyz.
 OUTAGE_REASONS = {
-    DATABASE_UNAVAILABLE: "unavailable",
-    DATABASE_READ_ONLY: "read_only",
+    DATABASE_UNAVAILABLE: UNAVAILABLE,
+    DATABASE_READ_ONLY: READ_ONLY,
     DATABASE_LOGIN_REFUSED: "login_refused",
     DATABASE_FULL: "storage_full",
 }
@@ -470,10 +473,11 @@ def handle_database_outage(error: BaseException) -> ErrorAnswer:
 
 
 def report_outage(kind: ErrorKind, cause: BaseException) -> None:
-    """Count the refusal (metrics.py) and log it: a refused login or a full disk at ERROR once a
-    minute, as faults that need an operator; an outage, which passes, in one WARNING line per
-    request. The driver's message, never the statement's parameters, which may hold what clients
-    sent; nor the password, which no driver repeats."""
+    """Count the refusal (metrics.py) and log it, once a minute at most with the count of the
+    requests refused meanwhile (database_faults.py): a refused login or a full disk at ERROR, as
+    faults that need an operator; an outage, which passes, at WARNING, and once when it is over.
+    The driver's message, never the statement's parameters, which may hold what clients sent; nor
+    the password, which no driver repeats."""
     reason = OUTAGE_REASONS[kind]
     g.database_refusal = reason
     if kind is DATABASE_LOGIN_REFUSED:
@@ -488,7 +492,7 @@ def report_outage(kind: ErrorKind, cause: BaseException) -> None:
             first_line(cause),
         )
     else:
-        current_app.logger.warning("Database unavailable: %s: %s", type(cause).__name__, cause)
+        log_outage(reason, "Database unavailable: %s: %s", type(cause).__name__, cause)
 
 
 def database_refusal(kind: ErrorKind = DATABASE_UNAVAILABLE) -> APIError:

@@ -308,7 +308,8 @@ class Settings:
     REQUEST_QUEUE_TIMEOUT: float = setting(
         seconds(at_least=0),
         "Seconds a request may wait for a worker (nginx's ``X-Request-Start``) before it is "
-        "answered 503 at once, unserved (`Deploy <deploy.rst>`__, Overload); 0: never",
+        "answered 503 unserved, by the worker that takes it (`Deploy <deploy.rst>`__, Overload); "
+        "0: never",
     )
     REQUEST_BODY_TIMEOUT: float = setting(
         seconds(at_least=0),

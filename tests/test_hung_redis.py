@@ -1,12 +1,17 @@
 """A Redis that hangs (stopped with SIGSTOP, connections open, nothing answered) never holds up a
 request: each worker counts alone while it does, /readyz says so at once, and the shared counts
-resume by themselves when it answers again. The Redis is the test's own, never the machine's."""
+resume by themselves when it answers again; one that is only slow at times is told apart from one
+that is down. The Redis is the test's own, never the machine's."""
 
 import itertools
+import logging
 import re
+import threading
 import time
 
+import pytest
 import requests
+from prometheus_client import REGISTRY
 from test_rate_limits import bearer, synced
 
 from animal_store import default_settings
@@ -135,3 +140,69 @@ def test_gunicorn_serves_on_while_redis_hangs(start_gunicorn, make_key, own_redi
     wait_for_counting(readyz, "shared", RECOVERY, socket_timeout)
     assert metric(server.url, "animal_store_rate_limit_degraded_seconds_total") > 0
     assert "WORKER TIMEOUT" not in server.log()
+
+
+# What AnimalStoreRateLimitsCountedApart's description tells apart (docs/operations.rst, Alerts): a
+# Redis that does not answer, and one that answers but is slow at times (stopped for 0.3 s of
+# every 3 s here, longer than the socket timeout of 0.1 s). Seconds each is watched: with Redis
+# down, the breaker's tries come 4 s apart at most, and the seconds counted apart since the last
+# try are counted at the next, so a window of 20 s counts at least 16.
+WATCHED = 20.0
+STALLS = {"down": None, "slow at times": (0.3, 3.0)}
+
+
+def stall(redis_server, stopped_for, every, done):
+    """Stop Redis for `stopped_for` seconds of every `every` until `done` is set."""
+    while not done.is_set():
+        redis_server.freeze()
+        try:
+            time.sleep(stopped_for)
+        finally:
+            redis_server.thaw()
+        done.wait(every - stopped_for)
+
+
+@pytest.mark.parametrize("redis_state", STALLS)
+def test_the_share_of_time_counted_apart_and_the_log_tell_a_slow_redis_from_one_down(
+    make_app, make_key, own_redis, caplog, redis_state
+):
+    app = make_app(RATE_LIMIT="1000000 per hour", RATELIMIT_STORAGE_URI=own_redis.url)
+    client, headers = app.test_client(), bearer(make_key())
+    assert client.get("/v1/pets", headers=headers).status_code == 200
+    done = threading.Event()
+    if STALLS[redis_state] is None:
+        own_redis.freeze()
+        staller = threading.Thread(target=done.wait)
+    else:
+        staller = threading.Thread(target=stall, args=(own_redis, *STALLS[redis_state], done))
+    staller.start()
+    try:
+        before, started = degraded_seconds(), time.monotonic()
+        with caplog.at_level(logging.WARNING, logger=app.logger.name):
+            while time.monotonic() - started < WATCHED:
+                assert client.get("/v1/pets", headers=headers).status_code == 200
+                client.get("/metrics")  # writes what the app counted
+        share = (degraded_seconds() - before) / (time.monotonic() - started)
+    finally:
+        done.set()
+        staller.join()
+        own_redis.thaw()
+    said = [
+        record.getMessage().partition(";")[0].partition(":")[0]
+        for record in caplog.records
+        if record.getMessage().startswith("Rate limit storage")
+    ]
+    print(f"Redis {redis_state}: counted apart {share:.2f} of the time; the log: {said}")
+    if redis_state == "down":
+        # Near 1, and one line: it failed, and never answered again.
+        assert share >= 0.75
+        assert said == ["Rate limit storage failed"]
+    else:
+        # Well under 1, and the two lines taking turns: it answers between slow spells.
+        assert 0 < share <= 0.6
+        assert said[:4] == ["Rate limit storage failed", "Rate limit storage answers again"] * 2
+
+
+def degraded_seconds() -> float:
+    """The process's count (every app of the test process adds to the one counter)."""
+    return REGISTRY.get_sample_value("animal_store_rate_limit_degraded_seconds_total") or 0.0

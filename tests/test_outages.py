@@ -5,9 +5,11 @@ keeps nothing half-written, a full one saying so (the answer, the log, /readyz, 
 import contextlib
 import logging
 import os
+import re
 import select
 import shutil
 import socket
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -152,11 +154,12 @@ def count(app):
 
 
 @pytest.mark.parametrize("breakage", ["refuse", "go_silent"])
-def test_unreachable_postgresql_answers_503_and_recovers(proxied, breakage):
+def test_unreachable_postgresql_answers_503_and_recovers(proxied, breakage, caplog):
     app, headers, proxy = proxied
     client = app.test_client()
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
 
+    caplog.set_level(logging.INFO, logger=app.logger.name)
     getattr(proxy, breakage)()
     for method, kwargs in [("GET", {}), ("POST", {"json": NEW_PET})]:
         response, elapsed = timed(client, method, "/v1/pets", headers, **kwargs)
@@ -177,6 +180,14 @@ def test_unreachable_postgresql_answers_503_and_recovers(proxied, breakage):
     assert client.get("/v1/pets", headers=headers).status_code == 200
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
     assert count(proxied[0]) == 2  # the refused creation left nothing
+    # Two lines for the four refusals: the outage as it began, and its end.
+    said = [r.getMessage() for r in caplog.records if r.name == app.logger.name]
+    assert len(said) == 2, said
+    assert said[0].startswith("Database unavailable: ")
+    assert said[1].startswith("The database answers again, ")
+    assert said[1].endswith(
+        " s after this worker found it unavailable (3 refused since this was last logged)"
+    )
 
 
 def test_dropped_connections_are_replaced_without_an_error(proxied):
@@ -252,6 +263,71 @@ def test_sqlite_on_read_only_filesystem_answers_503(sqlite_on_tmpfs):
         remount("rw")
     assert_intact(app, database_file, 1)
     assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+
+
+@contextlib.contextmanager
+def locked(database_file):
+    """Another connection holds SQLite's write lock: writes wait out the busy timeout, then fail
+    ("database is locked"), an outage that passes."""
+    holder = sqlite3.connect(database_file, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        holder.close()
+
+
+@contextlib.contextmanager
+def read_only_filesystem(database_file, remount):
+    """The file's filesystem read-only ("attempt to write a readonly database")."""
+    remount("ro")
+    try:
+        yield
+    finally:
+        remount("rw")
+
+
+OUTAGES = {
+    "locked": (lambda sqlite: locked(sqlite[5]), "database is locked"),
+    "read-only filesystem": (
+        lambda sqlite: read_only_filesystem(sqlite[5], sqlite[4]),
+        "unable to open database file",  # its -wal and -shm, with no connection open
+    ),
+}
+
+
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_an_outage_is_logged_once_with_its_count_and_once_when_it_is_over(
+    sqlite_on_tmpfs, make_app, caplog, outage
+):
+    begin, message = OUTAGES[outage]
+    # A worker of its own on the same file, whose writes wait for a lock a twentieth of a second.
+    app = make_app(DATABASE_URL=f"sqlite:///{sqlite_on_tmpfs[5]}", SQLITE_BUSY_TIMEOUT=0.05)
+    with app.app_context():
+        _, key = issue_key("outage")
+        db.session.commit()
+    # No open connection keeps a remount from taking effect.
+    for each in (app, sqlite_on_tmpfs[0]):
+        with each.app_context():
+            db.engine.dispose()
+    client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
+    with caplog.at_level(logging.INFO, logger=app.logger.name):
+        with begin(sqlite_on_tmpfs):
+            refused = [client.post("/v1/pets", headers=headers, json=NEW_PET) for _ in range(5)]
+        assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+        assert client.post("/v1/pets", headers=headers, json=NEW_PET).status_code == 201
+    assert [response.status_code for response in refused] == [503] * 5
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == app.logger.name]
+    print("\n".join(message for _, message in said))
+    # Not a line per request: the outage when it begins, and its end with the refusals since.
+    assert [level for level, _ in said] == ["WARNING", "WARNING"], said
+    assert said[0][1].startswith("Database unavailable: OperationalError: " + message)
+    assert said[0][1].endswith("(1 refused since this was last logged; said again in 60 s at most)")
+    assert re.fullmatch(
+        r"The database answers again, \d+\.\d s after this worker found it unavailable "
+        r"\(4 refused since this was last logged\)",
+        said[1][1],
+    ), said[1][1]
 
 
 def refusals(client, reason):

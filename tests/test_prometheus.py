@@ -528,12 +528,25 @@ def test_a_saturated_instance_fires_saturated_and_answers_every_scrape(
     assert slowest < 1, slowest
     most = query(prometheus, f"max_over_time({queue}{window})", scraped)
     assert most >= CLIENTS - store.workers - 1, most
+    # The description's tell, its own query, over the time from the saturation to the answers
+    # it held (written within a second of each, and scraped): the app's p99 is high when the
+    # requests are slow inside the app, here waiting on the database's lock
+    # (tests/test_overload.py has it low when the workers are what is short).
+    tell = re.search(r"histogram_quantile\(.*?\[5m\]\)\)\)", rule["annotations"]["description"])
+    assert tell, "the description gives no p99 to tell the causes by"
+    answered = time.time() + 2
+    last = within(WAIT, "a scrape after the answers", lambda: scraped_after(prometheus, answered))
+    since = f"[{int(last - saturated) + 1}s]"
+    own_p99 = query(prometheus, rendered(tell[0], labels).replace("[5m]", since), last)
+    assert own_p99 is not None
+    assert own_p99 >= 1
     active = unix(alert["activeAt"])
     print(
         f"\n{SATURATED}: active {active - saturated:.1f} s after {CLIENTS} clients met held "
         f"writes on {store.workers} workers, seen firing after {fired - saturated:.1f} s (for: "
         f"{FOR}, scrape and evaluation every {INTERVAL}); {scrapes:.0f} scrapes in "
         f"{seconds} s, all up, the slowest {slowest * 1000:.1f} ms; most waiting in the queue "
-        f"{most:.0f}; clients' answers {dict(statuses)}; others active: "
+        f"{most:.0f}; the app's own p99 {own_p99:.2f} s; clients' answers {dict(statuses)}; "
+        "others active: "
         f"{sorted(seen - {SATURATED}) or 'none'}"
     )

@@ -1,15 +1,20 @@
-"""What the database's refusals mean, and what a worker remembers of those that are no passing
-outage: a login it refuses (a configuration error) and a disk with no space left for writes.
+"""What the database's refusals mean, and what a worker remembers of them: a login it refuses (a
+configuration error) and a disk with no space left for writes, which need an operator, and the
+outages that pass by themselves: a database that cannot be reached (or written, on SQLite), and
+one that takes no writes.
 
 The refusals are told apart here, where the drivers' words are known; errors.py says how each is
 answered.
 
-Each is logged at ERROR, once a minute at most for each kind, with how many requests it refused
-since the last line: a WARNING for every request would bury the one line an operator needs. A
-full disk is also remembered until a write commits again, so that /readyz can say it while the
-reads are still served (health.py).
+Each kind is logged once a minute at most, with how many requests it refused since the last line:
+a line for every request would bury the one an operator needs (during a machine's loss, 145
+lines in 13 s around the one that said the database was another server). The two that need an
+operator at ERROR; a passing outage at WARNING, and once more when it is over (a connection made,
+or a transaction committed again), with how long it lasted. A full disk is also remembered until a
+write commits again, so that /readyz can say it while the reads are still served (health.py).
 """
 
+import logging
 import re
 import threading
 import time
@@ -45,15 +50,27 @@ SQLITE_FULL = "SQLITE_FULL"
 SQLITE_OUTAGE_MESSAGES = ("unable to open", "disk i/o", "readonly", "full", "locked")
 # How often a fault that lasts is logged again, at most (seconds).
 LOG_EVERY = 60.0
+# The outages that pass by themselves (errors.OUTAGE_REASONS' names), each with the line that says
+# it is over: on a new connection (the server answers again) or a commit (it takes writes again).
+# A standby takes connections: only a commit ends "read_only".
+UNAVAILABLE, READ_ONLY = "unavailable", "read_only"
+OVER = {
+    UNAVAILABLE: "The database answers again, %.1f s after this worker found it unavailable",
+    READ_ONLY: "The database takes writes again, %.1f s after this worker found it took none",
+}
 
 
 @dataclass
 class DatabaseFaults:
-    """One worker's record: when each fault was last logged, the refusals since, and since when
-    writes find the disk full (None while they do not)."""
+    """One worker's record: when each fault was last logged, the refusals since, since when each
+    passing outage lasts and whether a line said it, and since when writes find the disk full
+    (None while they do not)."""
 
+    logger: logging.Logger
     logged_at: dict[str, float] = field(default_factory=dict)
     refused_since_logged: dict[str, int] = field(default_factory=dict)
+    lost_since: dict[str, float] = field(default_factory=dict)
+    said_lost: set[str] = field(default_factory=set)
     full_since: float | None = None
     # The development server answers on threads.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,11 +79,37 @@ class DatabaseFaults:
         # Also after a transaction that read only: it does not say the disk has room, but the
         # next refused write says it is full again, and a creation that commits does say so.
         self.full_since = None
+        if self.lost_since:
+            self.over(UNAVAILABLE, READ_ONLY)
+
+    def connected(self, _dbapi_connection: object, _record: object) -> None:
+        if self.lost_since:
+            self.over(UNAVAILABLE)
+
+    def over(self, *reasons: str) -> None:
+        """Say that these outages are over, each whose start a line said: once, not per
+        request. The refusals of one that no line said wait for the next line of its kind."""
+        now = time.monotonic()
+        for reason in reasons:
+            with self.lock:
+                since = self.lost_since.pop(reason, None)
+                said = reason in self.said_lost
+                self.said_lost.discard(reason)
+                refused = self.refused_since_logged.get(reason, 0)
+                if since is not None and said:
+                    self.refused_since_logged[reason] = 0
+            if since is not None and said:
+                self.logger.warning(
+                    OVER[reason] + " (%d refused since this was last logged)",
+                    now - since,
+                    refused,
+                    extra={"fields": {"databaseFault": reason}},
+                )
 
 
 def init_database_faults(app: Flask) -> None:
     """Keep the app's record of the database's faults."""
-    app.extensions[EXTENSION] = DatabaseFaults()
+    app.extensions[EXTENSION] = DatabaseFaults(app.logger)
 
 
 def database_faults(app: Flask) -> DatabaseFaults:
@@ -74,9 +117,10 @@ def database_faults(app: Flask) -> DatabaseFaults:
     return faults
 
 
-def log_fault(reason: str, message: str, *args: object) -> None:
-    """Log the fault at ERROR if it was not logged in the last LOG_EVERY seconds, with the count
-    of the requests it refused meanwhile; count it either way."""
+def log_fault(reason: str, message: str, *args: object, level: int = logging.ERROR) -> bool:
+    """Log the fault (at ERROR, or `level`) if it was not logged in the last LOG_EVERY seconds,
+    with the count of the requests it refused meanwhile; count it either way. Return whether it
+    was logged."""
     faults = database_faults(current_app)
     now = time.monotonic()
     with faults.lock:
@@ -89,13 +133,33 @@ def log_fault(reason: str, message: str, *args: object) -> None:
         else:
             faults.refused_since_logged[reason] = refused
     if due:
-        current_app.logger.error(
+        current_app.logger.log(
+            level,
             message + " (%d refused since this was last logged; said again in %d s at most)",
             *args,
             refused,
             LOG_EVERY,
             extra={"fields": {"databaseFault": reason}},
         )
+    return due
+
+
+def log_outage(reason: str, message: str, *args: object) -> None:
+    """Log a passing outage (UNAVAILABLE, READ_ONLY) as log_fault does, at WARNING, and say once
+    when it is over (OVER)."""
+    faults = database_faults(current_app)
+    with faults.lock:
+        faults.lost_since.setdefault(reason, time.monotonic())
+    if log_fault(reason, message, *args, level=logging.WARNING):
+        with faults.lock:
+            faults.said_lost.add(reason)
+    # Listened for from the first outage on, as for a full disk (remember_full_disk): a new
+    # connection costs a request nothing more, a commit listener every statement a dispatch.
+    engine = db.engine
+    if not event.contains(engine, "connect", faults.connected):
+        event.listen(engine, "connect", faults.connected)
+    if not event.contains(engine, "commit", faults.writes_again):
+        event.listen(engine, "commit", faults.writes_again)
 
 
 def remember_full_disk() -> None:

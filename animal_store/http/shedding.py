@@ -1,16 +1,21 @@
 """Shedding: a request that waited longer than REQUEST_QUEUE_TIMEOUT for a worker is answered
-503 `service_unavailable` with Retry-After at once, before any key check or query.
+503 `service_unavailable` with Retry-After by the worker that takes it, before any key check or
+query.
 
 Under a surge the requests nginx passes on wait in gunicorn's listening socket until a worker is
 free (config/gunicorn.conf.py, backlog). While the clients wait less than the queue lets them,
 serving each in turn keeps the throughput at the workers' capacity, which shedding would only
 lower. Past it, the queue grows faster than the workers empty it: each request would wait
 longer than the last, the clients give up, and the workers serve answers no one reads. Answering
-the requests that waited too long at once, for a fraction of a request's work, empties the queue
+the requests that waited too long unserved, for a fraction of a request's work, empties the queue
 of them at many times the rate it is served, so the ones behind are served while their clients
 still wait, and a client told to retry comes back once the surge has passed. The Google SRE
 book's "Handling Overload" says as much; Heroku's router, rack-timeout's wait_timeout and
 Envoy's overload manager do it.
+
+Only a worker sheds, as it takes the request: while every worker is stuck, the 503 waits for the
+first one free (docs/deploy.rst, Overload says why nothing else can answer it). A request whose
+client has gone by then is not run at all (serving/worker.py).
 
 How long a request waited: nginx stamps the moment it passes it on, `X-Request-Start:
 t=<seconds since the epoch, to the millisecond>` (config/nginx.conf, nginx's `$msec`; the form

@@ -5,7 +5,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.access import rate_limits
-from animal_store.data.database_faults import disk_full
+from animal_store.data.database_faults import disk_full, log_outage
 from animal_store.data.deadlines import shorten_deadline
 from animal_store.errors import (
     DATABASE_READ_ONLY,
@@ -53,8 +53,9 @@ def readyz() -> tuple[dict[str, str], int]:
         report_outage(kind, getattr(error, "orig", None) or error)
         raise database_refusal(kind) from None
     if not takes_writes:
-        current_app.logger.warning("Readiness check failed: the database takes no writes")
-        g.database_refusal = OUTAGE_REASONS[DATABASE_READ_ONLY]
+        reason = g.database_refusal = OUTAGE_REASONS[DATABASE_READ_ONLY]
+        # As the requests' refusals: once a minute, not at every probe of the load balancer.
+        log_outage(reason, "Readiness check failed: the database takes no writes")
         raise database_refusal(DATABASE_READ_ONLY)
     counting = rate_limits.counting(current_app)
     database = "disk full" if disk_full() else "ok"

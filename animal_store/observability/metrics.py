@@ -96,8 +96,16 @@ DATABASE_REFUSALS = Counter(
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
 SHED = Counter(
     "animal_store_requests_shed",
-    "Requests answered 503 at once, unserved, because they waited longer than "
-    "REQUEST_QUEUE_TIMEOUT for a worker.",
+    "Requests answered 503 unserved, because they waited longer than REQUEST_QUEUE_TIMEOUT for "
+    "a worker.",
+)
+# Counted by the worker class (serving/worker.py), from 0 on every instance: requests nginx had
+# given up on (its client gone) before a worker took them, neither served nor answered, so not in
+# REQUESTS: an answer no client could receive is no error of the service's.
+ABANDONED = Counter(
+    "animal_store_requests_abandoned",
+    "Requests whose connection nginx had closed (its client gone) before a worker took them: "
+    "neither served nor answered, not in animal_store_requests_total.",
 )
 # One series per release a live worker runs: two while a reload replaces the workers, one after.
 BUILD_INFO = Gauge(
@@ -209,6 +217,11 @@ class RequestMetrics:
             if context.get("request_shed"):
                 self.counted[SHED] += 1
         self.write_if_due()
+
+    def abandoned(self) -> None:
+        """Count a request the worker class found abandoned by its client, and did not run."""
+        with self.lock:
+            self.counted[ABANDONED] += 1
 
     def write_if_due(self) -> None:
         """Write, if the interval has passed since the last write: an answer, or an idle

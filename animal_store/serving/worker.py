@@ -6,8 +6,9 @@ status nginx gives the same request, and an X-Request-ID); the time a worker wai
 connection, counted as idle, and the requests it counted, written between requests; a body that
 stops coming, refused 408 after REQUEST_BODY_TIMEOUT seconds instead of holding the worker; a
 body the client sends only once asked (Expect: 100-continue), asked for when the app first reads
-it, so that a refusal that needs no body comes instead; and how a connection ends: at once when
-nothing is left to read, gracefully otherwise.
+it, so that a refusal that needs no body comes instead; a request nginx gave up on while it
+waited for a worker, neither run nor answered but counted apart; and how a connection ends: at
+once when nothing is left to read, gracefully otherwise.
 
 gunicorn loads this class in its master, and the master must hold nothing of the release, so that
 a reload (HUP) puts the release on disk into service (tests/test_releases.py). So this module
@@ -18,6 +19,7 @@ imported to load it: the workers it forks import the release anew, and the next 
 this module anew from disk, so a new release's worker code serves after a reload too.
 """
 
+import select
 import socket
 import ssl
 import sys
@@ -131,6 +133,12 @@ class Worker(SyncWorker):
     def handle_request(  # type: ignore[override]
         self, listener: socket.socket, req: "Request", client: socket.socket, addr: Any
     ) -> None:
+        if abandoned(req, client):
+            # No one would read the answer: the request costs nothing, and counts apart.
+            if self.counts is not None:
+                self.counts.abandoned()
+            client.close()
+            return
         # A read of the body that waits longer than this raises TimeoutError in the app, which
         # answers 408 (http/body.py); without it a client that stops sending holds the worker
         # until gunicorn kills it (`timeout`, 30 s) and gets a 500.
@@ -226,6 +234,25 @@ def refusal_status(exc: BaseException, request: "Request | None") -> int:
         if isinstance(exc, refused):
             return status
     return 500
+
+
+def abandoned(req: "Request", client: socket.socket) -> bool:
+    """Whether nginx gave up on the request before a worker took it: under a surge the requests it
+    passes on wait in the listening socket, and a client that goes meanwhile (nginx logs 499; or
+    nginx's proxy_read_timeout passes) has nginx close its connection to gunicorn, which the
+    worker then finds closed by its peer. Its answer would reach no one, and a 503 for having
+    waited too long would count as the service's error.
+
+    poll(2)'s POLLRDHUP says the peer closed whatever is left unread (a POST's body, where a peek
+    would read the body's first byte). Only a request nginx passed on (the X-Request-Start it
+    stamps on each, config/nginx.conf) is taken for gone: nginx never shuts down its side of a
+    connection whose answer it awaits, while a client that reaches gunicorn directly may, after
+    its request, and is answered."""
+    poller = select.poll()
+    poller.register(client, select.POLLRDHUP)  # POLLHUP and POLLERR (a reset) come unasked
+    if not poller.poll(0):
+        return False
+    return any(name == "X-REQUEST-START" for name, _ in req.headers)
 
 
 def nothing_left_to_read(req: "Request", client: socket.socket) -> bool:
