@@ -402,6 +402,10 @@ def test_postgresql_on_full_disk_says_so_and_serves_reads(make_app, caplog):
                 _, key = issue_key("tester")
                 db.session.commit()
             client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
+            # The key's last use written first: the writer's commit, of a table with room, would
+            # otherwise end the worker's record of the full disk at a moment of its own.
+            assert client.get("/v1/pets", headers=headers).status_code == 200
+            assert last_used.flush(timeout=10)
             filler = fill(cluster.directory / "small")
             try:
                 with caplog.at_level(logging.WARNING):
