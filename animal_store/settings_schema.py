@@ -299,7 +299,8 @@ class Settings:
     )
     READYZ_TIMEOUT: float = setting(
         seconds(above=0),
-        "Seconds PostgreSQL gets to answer ``/readyz``'s ``SELECT 1``: the probe's own deadline",
+        "Seconds PostgreSQL gets to answer ``/readyz``'s probe, its commit included: the probe's "
+        "own deadline (its commit waits for a synchronous standby half of what is left)",
     )
     DATABASE_RETRY_AFTER: int = setting(
         integer(at_least=0),

@@ -211,6 +211,12 @@ def shorten_deadline(seconds: float) -> None:
     g.database_probe = True
 
 
+def time_left() -> float | None:
+    """Return the seconds left of this request's database deadline, None where it has none."""
+    deadline = g.get("database_deadline")
+    return None if deadline is None else deadline - time.monotonic()
+
+
 def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     """Watch the app's PostgreSQL connections; return the steps that start each request's
     deadline (hooks.py): none on SQLite, which needs none (docs/operations.rst)."""
