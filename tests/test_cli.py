@@ -304,11 +304,7 @@ def test_commands_say_which_database_and_where_it_came_from(tmp_path, case):
     settings, source = case
     path = tmp_path / "store.sqlite3"
     migrate_to_head(f"sqlite:///{path}")
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
-    }
+    environment = without_deployment()
     environment.update({name: value.format(path=path) for name, value in settings.items()})
     result = subprocess.run(
         [sys.executable, "-m", "flask", "--app", "animal_store", "keys", "list"],
@@ -446,12 +442,7 @@ def test_a_database_that_does_not_answer_is_one_line():
 
 
 def test_a_command_without_the_deployment_environment_says_so_and_creates_nothing(tmp_path):
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
-    }
-    environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(tmp_path / "animal_store.sqlite3")
+    environment = without_deployment(tmp_path / "animal_store.sqlite3")
     result = subprocess.run(
         [sys.executable, "-m", "flask", "--app", "animal_store", "keys", "create", "shop"],
         cwd=PROJECT_DIR,
@@ -473,12 +464,7 @@ def test_a_command_without_the_deployment_environment_says_so_and_creates_nothin
 def test_version_prints_the_services_release_and_touches_no_database(tmp_path):
     # The real `flask` of the virtualenv, as an operator types it; with no deployment
     # environment, so a database it opened would be the development file named here.
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
-    }
-    environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(tmp_path / "animal_store.sqlite3")
+    environment = without_deployment(tmp_path / "animal_store.sqlite3")
     result = subprocess.run(
         [FLASK, "--app", "animal_store", "version"],
         cwd=tmp_path,
@@ -792,3 +778,16 @@ def test_a_command_of_an_unimportable_release_ends_with_its_import_error(tmp_pat
     assert result.stderr.splitlines()[-1] == said
     assert result.stderr.count(said) == 1
     assert result.stderr.count("Traceback") == 1
+
+
+def without_deployment(development_file=None) -> dict[str, str]:
+    """This environment without a deployment's variables (DATABASE_URL, ANIMAL_STORE_*), with
+    the development database at `development_file` if given."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name != "DATABASE_URL" and not name.startswith("ANIMAL_STORE_")
+    }
+    if development_file is not None:
+        environment["ANIMAL_STORE_SQLITE_FILENAME"] = str(development_file)
+    return environment
