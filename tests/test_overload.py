@@ -108,22 +108,9 @@ FROZEN = 3.0  # seconds the workers are stopped: past the queue timeout, with a 
 def test_a_surge_is_served_in_turn_and_what_waited_too_long_is_shed(
     start_gunicorn, production_env, certificate, make_app, tmp_path
 ):
-    if TEST_DATABASE_URL:
-        pytest.skip("runs in the pass without TEST_DATABASE_URL: the queue is the same on both")
-    app = make_app()
-    with app.app_context():
-        _, key = issue_key("surge", rate_limit="100000000/minute")
-        db.session.commit()
-    metrics_port = free_port()
-    gunicorn = start_gunicorn(
-        workers=2,
-        env={
-            **production_env,
-            "ANIMAL_STORE_METRICS_BIND": f"127.0.0.1:{metrics_port}",
-            "ANIMAL_STORE_REQUEST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT),
-        },
+    gunicorn, key, metrics = start_instance(
+        start_gunicorn, production_env, make_app, "surge", QUEUE_TIMEOUT
     )
-    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     nginx = Nginx(
         tmp_path / "nginx",
         [f"127.0.0.1:{gunicorn.port}"],
@@ -244,11 +231,27 @@ def read_status(connection: ssl.SSLSocket) -> tuple[int, dict[str, str]]:
 def frozen_instance(start_gunicorn, production_env, start_nginx, make_app):
     """gunicorn with 2 workers and REQUEST_QUEUE_TIMEOUT 1 s behind the shipped nginx, a key, the
     metrics listener's URL, and a way to freeze its workers."""
+    gunicorn, key, metrics = start_instance(
+        start_gunicorn,
+        production_env,
+        make_app,
+        "gone",
+        QUEUE_TIMEOUT_WHILE_FROZEN,
+        ANIMAL_STORE_METRICS_WRITE_INTERVAL="0",
+    )
+    nginx = start_nginx([f"127.0.0.1:{gunicorn.port}"], uncapped=("127.0.0.1",))
+    return gunicorn, nginx, key, metrics
+
+
+def start_instance(start_gunicorn, production_env, make_app, name, queue_timeout, **env):
+    """gunicorn with 2 workers, the metrics listener and this REQUEST_QUEUE_TIMEOUT, and a key no
+    rate limit stops: (gunicorn, the key, the listener's URL). In the pass without
+    TEST_DATABASE_URL only: the queue is the same on both."""
     if TEST_DATABASE_URL:
         pytest.skip("runs in the pass without TEST_DATABASE_URL: the queue is the same on both")
     app = make_app()
     with app.app_context():
-        _, key = issue_key("gone", rate_limit="100000000/minute")
+        _, key = issue_key(name, rate_limit="100000000/minute")
         db.session.commit()
     metrics_port = free_port()
     gunicorn = start_gunicorn(
@@ -256,12 +259,11 @@ def frozen_instance(start_gunicorn, production_env, start_nginx, make_app):
         env={
             **production_env,
             "ANIMAL_STORE_METRICS_BIND": f"127.0.0.1:{metrics_port}",
-            "ANIMAL_STORE_REQUEST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_WHILE_FROZEN),
-            "ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0",
+            "ANIMAL_STORE_REQUEST_QUEUE_TIMEOUT": str(queue_timeout),
+            **env,
         },
     )
-    nginx = start_nginx([f"127.0.0.1:{gunicorn.port}"], uncapped=("127.0.0.1",))
-    return gunicorn, nginx, key, f"http://127.0.0.1:{metrics_port}/metrics"
+    return gunicorn, key, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
 def wait_for_queue(metrics, gunicorn, length, timeout=30):

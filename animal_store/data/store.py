@@ -150,10 +150,17 @@ def record_key_use(key_id: int, now: datetime, resolution: timedelta) -> None:
     only the first one's write changes the row.
     """
     stale = (ApiKey.last_used_at.is_(None)) | (ApiKey.last_used_at < now - resolution)
-    with db.engine.begin() as connection:
-        connection.execute(
-            sa.update(ApiKey).where(ApiKey.id == key_id, stale).values(last_used_at=now)
-        )
+    with db.engine.connect() as connection:
+        try:
+            with connection.begin():
+                connection.execute(
+                    sa.update(ApiKey).where(ApiKey.id == key_id, stale).values(last_used_at=now)
+                )
+        finally:
+            # Closed, not pooled: the writer (access/last_used.py) writes at most once a key a
+            # resolution, and a connection it left in the pool would outlive an app that is gone
+            # by then (a test's, its engine disposed while the write was on its way).
+            connection.invalidate()
 
 
 def read(select: sa.Executable, values: Mapping[str, Any]) -> list[dict[str, Any]]:

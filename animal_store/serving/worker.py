@@ -75,7 +75,12 @@ class Worker(SyncWorker):
     def setup(cls) -> None:
         """Make gunicorn's master forget the package's modules, which loading the class imported:
         the master keeps the class, and nothing of the release (the module's docstring)."""
-        for name in [name for name in sys.modules if name.partition(".")[0] == PACKAGE]:
+        # And prometheus_client: a master started by release 1.0.0 imported the app in process
+        # (its on_starting checked the settings there), whose metrics its registry holds, and the
+        # workers it forks would register them again, as duplicates. Any other master imports it
+        # only in child_exit, and does so again. (tests/test_releases.py upgrades a 1.0.0 master.)
+        forgotten = {PACKAGE, "prometheus_client"}
+        for name in [name for name in sys.modules if name.partition(".")[0] in forgotten]:
             del sys.modules[name]
 
     def load_wsgi(self) -> None:
