@@ -67,6 +67,10 @@ WAIT = 60.0 if AS_SHIPPED else 30.0
 # wait for a connection ends, up to a second after the seconds it ran, so over the first scrapes
 # the workers may read busy, AnimalStoreWorkersBusy's condition.
 BUSY = "AnimalStoreWorkersBusy"
+# And on a machine busy with other tests, AnimalStoreSaturated: a scrape that finds a connection
+# waiting in the listen queue before the instance has answered any reads it as an endless wait,
+# by its rule (seen once in CI, both passes running; this test is about the alert below).
+BUSY_MACHINE = "AnimalStoreSaturated"
 # What else a hung Redis may make active: a worker's try of it costs its request the socket
 # timeout, 0.1 s, at least once in 4 s per worker, which is more than 1 % of the answers below
 # 50 a second. Once the 5-minute window holds 150 listPets answers (0.5 a second: about 30 s of
@@ -338,7 +342,7 @@ def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
         "three more evaluations",
         lambda: serving(lambda: evaluated_after(prometheus, evaluated + 2)),
     )
-    assert seen <= {BUSY}, seen
+    assert seen <= {BUSY, BUSY_MACHINE}, seen
 
     # The quiet check: no request in flight through a whole scrape, then an evaluation on it.
     # Then no rule holds on this fresh instance: it is scraped (Down, NotScraped), answered no
@@ -386,7 +390,7 @@ def test_a_frozen_redis_fires_rate_limits_counted_apart(store, prometheus):
     assert alert["annotations"] == {
         name: rendered(template, labels) for name, template in rule["annotations"].items()
     }
-    assert others <= {BUSY, SLOWED}, others
+    assert others <= {BUSY, SLOWED, BUSY_MACHINE}, others
     active = unix(alert["activeAt"])
     print(
         f"\n{ALERT}: active {active - frozen:.1f} s after Redis was frozen, seen firing after "
