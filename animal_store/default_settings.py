@@ -39,6 +39,11 @@ ANSWER_CACHE_BYTES = 8 * 1024 * 1024
 # next transaction may be on another server connection), and no statement timeout sent at
 # connect, which PgBouncer cannot pass on: set it on the role (docs/deploy.rst).
 DATABASE_BEHIND_PGBOUNCER = False
+# PostgreSQL's streaming standbys that serve reads (listPets, getPet) when that is safe
+# (animal_store/data/standbys.py); None: every read on the primary.
+DATABASE_READ_URL = None
+# Seconds of replay lag past which a standby serves no read.
+DATABASE_READ_MAX_LAG = 10
 
 # getPet is deprecated since v1.0.0 shipped and is removed on the contract's sunset date;
 # listPets with the status filter replaces it. Drives the Deprecation, Sunset and Link headers.

@@ -17,6 +17,7 @@ from animal_store.data import answers, keyset
 from animal_store.data.database_faults import init_database_faults
 from animal_store.data.deadlines import init_deadlines
 from animal_store.data.failover import init_failover
+from animal_store.data.standbys import init_standbys
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.hooks import AnimalStore, register_hooks
 from animal_store.http.body import refuse_unsupported_framing
@@ -52,9 +53,12 @@ def create_app(
     init_database_faults(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
     start_deadline = init_deadlines(app)
+    init_standbys(app)
     # A key, an answer or a settled id a worker kept is used only from the database server it
     # came from (a new memo of data goes here).
-    confirm_database = init_failover(app, memos=(answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS))
+    confirm_database = init_failover(
+        app, memos=(answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS, keyset.POSITIONS)
+    )
     policies = register_api(app, resources, before=confirm_database)
     app.register_blueprint(health.bp)
     register_commands(app)

@@ -90,6 +90,11 @@ def load_deployment_settings(app: Flask) -> Sources:
     elif "DATABASE_URL" in os.environ:
         app.config["DATABASE_URL"] = os.environ["DATABASE_URL"]
         sources["DATABASE_URL"] = ("DATABASE_URL", os.environ["DATABASE_URL"])
+    # The standbys' URL is a secret as the primary's is, under a name of the same kind; a
+    # deployment's file need not repeat it (ANIMAL_STORE_DATABASE_READ_URL, below, overrides it).
+    if "DATABASE_READ_URL" in os.environ:
+        app.config["DATABASE_READ_URL"] = os.environ["DATABASE_READ_URL"]
+        sources["DATABASE_READ_URL"] = ("DATABASE_READ_URL", os.environ["DATABASE_READ_URL"])
     # Any other setting: ANIMAL_STORE_<NAME>, its value read as JSON where it parses (and
     # ANIMAL_STORE_<NAME>__<KEY> sets one key of a setting that is an object).
     for variable, text in sorted(os.environ.items()):
@@ -168,10 +173,36 @@ def check_settings(config: Config, sources: Sources) -> settings_schema.Settings
             for name in problems
         ]
     )
+    if not said:
+        said = conflicts(loaded)
     if said:
         raise SettingsError("\n".join(said))
     config.update(loaded)
     return settings_schema.Settings(**loaded)
+
+
+def conflicts(loaded: dict[str, Any]) -> list[str]:
+    """Say each pair of settings, each fine alone, that cannot hold together, one line each."""
+    if loaded.get("DATABASE_READ_URL") is None:
+        return []
+    said = []
+    primary = loaded.get("DATABASE_URL")
+    if primary is None or settings_schema.parse_database_url(primary).get_backend_name() not in (
+        "postgresql",
+        "postgres",
+    ):
+        said.append(
+            "Setting DATABASE_READ_URL names standbys, which only a PostgreSQL DATABASE_URL has: "
+            "unset it, or set DATABASE_URL to the primary's PostgreSQL URL."
+        )
+    if loaded.get("RATELIMIT_STORAGE_URI") == "memory://":
+        said.append(
+            "Setting DATABASE_READ_URL needs RATELIMIT_STORAGE_URI on Redis, where every "
+            "instance keeps its clients' floors (docs/deploy.rst, Reads on the standbys): "
+            "memory:// keeps them per process, and a client would read a standby behind its "
+            "own creations."
+        )
+    return said
 
 
 def problem(name: str, value: Any, source: tuple[str, str | None]) -> str:
@@ -222,6 +253,16 @@ def database_uri(app: Flask) -> str:
     if not url:
         os.makedirs(app.instance_path, exist_ok=True)
         return "sqlite:///" + os.path.join(app.instance_path, settings(app).SQLITE_FILENAME)
+    return sqlalchemy_url(url)
+
+
+def read_database_uri(app: Flask) -> str | None:
+    """The standbys' URL as SQLAlchemy takes it, None without DATABASE_READ_URL."""
+    url = settings(app).DATABASE_READ_URL
+    return None if url is None else sqlalchemy_url(url)
+
+
+def sqlalchemy_url(url: str) -> str:
     parsed = settings_schema.parse_database_url(url)
     # A plain postgresql:// (or Heroku-style postgres://) URL means psycopg 3, our driver.
     if parsed.drivername in ("postgresql", "postgres"):

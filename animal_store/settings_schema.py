@@ -258,6 +258,26 @@ class Settings:
         "True when ``DATABASE_URL`` is PgBouncer in transaction pooling: no prepared "
         "statements, no timeout sent at connect (`Deploy <deploy.rst>`__)",
     )
+    DATABASE_READ_URL: str | None = setting(
+        expecting(
+            fields.String(
+                allow_none=True,
+                validate=validator(check_database_url, "Not a database URL."),
+            ),
+            "a PostgreSQL URL, spelled as DATABASE_URL is, or null (every read on the primary)",
+        ),
+        "PostgreSQL: the streaming standbys that serve listPets and getPet whenever that is "
+        "safe, the primary serving the rest: one host, libpq's host list (with "
+        "``target_session_attrs=standby`` and ``load_balance_hosts=random``) or HAProxy's "
+        "replica port; needs ``RATELIMIT_STORAGE_URI`` on Redis, where the clients' floors are "
+        "kept. ``null``: every read on the primary. Usually set as ``DATABASE_READ_URL`` "
+        "(`High availability <deploy.rst#reads-on-the-standbys>`__)",
+    )
+    DATABASE_READ_MAX_LAG: float = setting(
+        seconds(above=0),
+        "PostgreSQL: seconds behind its primary past which a standby serves no read (its "
+        "replay's lag, 0 when it has replayed all it received)",
+    )
     GET_PET_DEPRECATION: Deprecation = setting(
         expecting(
             fields.Nested(DeprecationSchema),

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 from flask import Flask, g, has_app_context
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Dialect, Engine
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
@@ -184,12 +184,15 @@ def forget_after_fork() -> None:
 os.register_at_fork(after_in_child=forget_after_fork)
 
 
-def request_deadline(backoff: Backoff) -> tuple[float, Backoff | None] | None:
-    """Return this request's deadline and the Backoff a miss counts toward (None for a probe);
-    None outside a request. Raise DeadlinePassed when the request may not use the database."""
+def request_deadline(
+    backoff: Backoff, name: str = "database_deadline"
+) -> tuple[float, Backoff | None] | None:
+    """Return this request's deadline (in g under `name`) and the Backoff a miss counts toward
+    (None for a probe); None outside a request. Raise DeadlinePassed when the request may not
+    use the database."""
     if not has_app_context():
         return None
-    deadline = g.get("database_deadline")
+    deadline = g.get(name)
     if deadline is None:
         return None
     now = time.monotonic()
@@ -225,7 +228,20 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     if engine.dialect.name != "postgresql":
         return ()
     seconds = settings(app).DATABASE_DEADLINE
-    connect_timeout = settings(app).DATABASE_CONNECT_TIMEOUT
+    watch_engine(engine, settings(app).DATABASE_CONNECT_TIMEOUT)
+
+    def start_deadline() -> None:
+        g.database_deadline = time.monotonic() + seconds
+
+    return (start_deadline,)
+
+
+def watch_engine(
+    engine: Engine, connect_timeout: float, deadline: str = "database_deadline"
+) -> Backoff:
+    """Hold each connection of the engine that a request checks out to the request's deadline,
+    in g under `deadline` (the standbys' engine has one of its own: standbys.py), and ping it on
+    checkout; return the engine's Backoff."""
     dialect = engine.dialect
     backoff = Backoff()
 
@@ -236,16 +252,16 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
         cargs: tuple[Any, ...],
         cparams: dict[str, Any],
     ) -> DBAPIConnection | None:
-        deadline = request_deadline(backoff)
-        if deadline is None:
+        held = request_deadline(backoff, deadline)
+        if held is None:
             return None  # SQLAlchemy connects, within libpq's connect_timeout
-        left = deadline[0] - time.monotonic()
+        left = held[0] - time.monotonic()
         connection = WATCHDOG.connect_within(
-            lambda: dialect.connect(*cargs, **cparams), min(left, connect_timeout), deadline[1]
+            lambda: dialect.connect(*cargs, **cparams), min(left, connect_timeout), held[1]
         )
         # Watched from now on: a new engine's first connection runs SQLAlchemy's first queries
         # (the server's version...) before the checkout event.
-        WATCHDOG.hold(record, connection, *deadline)
+        WATCHDOG.hold(record, connection, *held)
         return connection
 
     @event.listens_for(engine, "connect")
@@ -256,9 +272,9 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     def watch_and_ping(
         connection: DBAPIConnection, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
     ) -> None:
-        deadline = request_deadline(backoff)
-        if deadline is not None:
-            WATCHDOG.hold(record, connection, *deadline)
+        held = request_deadline(backoff, deadline)
+        if held is not None:
+            WATCHDOG.hold(record, connection, *held)
         if record.info.pop("fresh", False):
             backoff.clear()  # it has just answered
             return
@@ -274,7 +290,4 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     def unwatch(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
         WATCHDOG.release(record)
 
-    def start_deadline() -> None:
-        g.database_deadline = time.monotonic() + seconds
-
-    return (start_deadline,)
+    return backoff

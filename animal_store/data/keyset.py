@@ -104,6 +104,18 @@ END $$
 
 # What a page asks when a row lies above what its app knows is settled (store.read_page).
 SETTLED_TO = sa.text("SELECT keyset_settled_to(CAST(:ids AS regclass), :marks)")
+# The same question with where the primary's WAL stood once it was answered (standbys.py): a
+# standby that has replayed that far holds every row up to the answer that was committed. In
+# its own statement after the answer (OFFSET 0 keeps the subquery from being merged in): a
+# writer of such a row inserted its commit record before it released its mark, so below the
+# position read afterwards. The insert position, not the write position: under
+# synchronous_commit=off a commit returns, and releases its mark, before its record is written.
+SETTLED_AT = sa.text(
+    "SELECT settled, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "
+    "(SELECT keyset_settled_to(CAST(:ids AS regclass), :marks) AS settled OFFSET 0) AS asked"
+)
+# Where an app keeps its highest answer with its position, per table, for pages on standbys.
+POSITIONS = "animal_store_keyset_positions"
 # The bound value of settled(): up to which id the rows are settled.
 SETTLED_TO_PARAMETER = "keyset_settled_to"
 # Where an app keeps the highest answer it was given, per table.
@@ -244,6 +256,30 @@ def ask_settled_to(connection: sa.Connection, table: sa.Table) -> int:
 def known(table: str) -> int:
     answers: dict[str, int] = current_app.extensions.get(ANSWERS, {})
     return answers.get(table, 0)
+
+
+def known_position(table: sa.Table) -> tuple[int, int]:
+    """Up to which id every row of the table is settled, and from which position of the
+    primary's WAL on a standby holds those rows, as far as this app has asked ((0, 0) before)."""
+    positions: dict[str, tuple[int, int]] = current_app.extensions.get(POSITIONS, {})
+    return positions.get(table.name, (0, 0))
+
+
+def ask_position(connection: sa.Connection, table: sa.Table) -> tuple[int, int]:
+    """Ask the primary up to which id every row of the table is settled and where its WAL
+    stands; keep both for the app's later pages on standbys (the answer, for those on the
+    primary too), and return them."""
+    answer, position = connection.execute(
+        SETTLED_AT, {"ids": sequence(table.name), "marks": marks(table.name)}
+    ).one()
+    positions: dict[str, tuple[int, int]] = current_app.extensions.setdefault(POSITIONS, {})
+    # Kept as a pair: an answer with another answer's position could claim rows the position
+    # does not hold. Two threads may store at once: a lower pair that wins only asks sooner.
+    if answer >= positions.get(table.name, (0, 0))[0]:
+        positions[table.name] = (answer, position)
+    answers: dict[str, int] = current_app.extensions.setdefault(ANSWERS, {})
+    answers[table.name] = max(answer, known(table.name))
+    return answer, position
 
 
 class Settled(TypedDict):

@@ -11,13 +11,13 @@ per KEY_LAST_USED_RESOLUTION: it may lag while the database stalls, and a crash 
 written yet, but it never delays or fails a request and never mixes with what a view writes.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, NotRequired, TypedDict, cast
 
 import sqlalchemy as sa
 
-from animal_store.data import keyset
+from animal_store.data import keyset, standbys
 from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db
 
@@ -108,8 +108,15 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
     The first read takes as settled the rows up to what the app last heard from the database
     (keyset.known_settled_to). Where a row lies above, the read asks the database again
     (keyset.ask_settled_to) and reads again, in a transaction, and so a snapshot, begun after the
-    answer.
+    answer. With standbys (DATABASE_READ_URL), on one where it is safe (page_on_standby).
     """
+    reads = standbys.standbys()
+    if reads is not None:
+        floor = reads.key_floor()
+        if floor is not None:
+            on_standby = reads.read(*page_on_standby(select, values, table, floor))
+            if on_standby is not None:
+                return on_standby
     with db.engine.connect() as connection:
         known = keyset.known_settled_to(connection, table)
         rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: known}))
@@ -126,7 +133,64 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
         return cast("list[PageRow]", rows)
 
 
+def page_on_standby(
+    select: sa.Executable, values: Mapping[str, Any], table: sa.Table, floor: int
+) -> tuple[int, str, Callable[[sa.Connection], list[PageRow]]]:
+    """The read of a keyset page on a standby, and the position it needs first (its reason
+    when the standby lacks it), for standbys.Standbys.read.
+
+    The page shows what it would on the primary, from a snapshot that holds it. The app keeps
+    its highest settled answer S with the primary's WAL position L read after it
+    (keyset.SETTLED_AT): every row up to S that committed did so below L. On a standby that has
+    replayed L (and the key's floor), the page's rows up to S are those the primary's snapshot
+    would show, so a full page of settled rows is exact, as on the primary: no row it passes is
+    missing, none can come later below its last id (keyset.py). Its next page starts there.
+    Where a row lies above S, or the page is the walk's last (fewer rows than asked: no next
+    link), the primary is asked again for (S', L'), and the page is read again on a standby that
+    has replayed L': L' was read after the walk began, so every creation acknowledged before
+    then lies below it, and the last page shows each one (those above S' are not settled, and
+    cut the page short with a next link, as on the primary). A standby short of L' sends the
+    page to the primary ("walk").
+    """
+    settled_to, position = keyset.known_position(table)
+
+    def read_page_here(connection: sa.Connection) -> list[PageRow]:
+        rows = as_dicts(
+            connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: settled_to})
+        )
+        if len(rows) >= values["limit"] and all(row["settled"] for row in rows):
+            return cast("list[PageRow]", rows)
+        answer, now_at = standbys.on_primary(lambda: ask_position(table))
+        reads = cast("standbys.Standbys", standbys.standbys())
+        reads.require(connection, now_at, "walk")
+        rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: answer}))
+        return cast("list[PageRow]", rows)
+
+    behind = "floor" if floor >= position else "walk"
+    return max(floor, position), behind, read_page_here
+
+
+def ask_position(table: sa.Table) -> tuple[int, int]:
+    with db.engine.connect() as connection:
+        return keyset.ask_position(connection, table)
+
+
 def find_pet(pet_id: int) -> PetRow | None:
+    """Return the animal with this id, or None: from a standby where it has it, and a floor is
+    known; from the primary otherwise, and before None (never a standby's not found)."""
+    reads = standbys.standbys()
+    if reads is not None:
+        floor = reads.key_floor()
+        if floor is not None:
+            found = reads.read(
+                floor,
+                "floor",
+                lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id}),
+            )
+            if found:
+                return cast("PetRow", found[0])
+            if found is not None:
+                standbys.sent_back("not_found")
     rows = cast("list[PetRow]", read(PET_BY_ID, {"pet_id": pet_id}))
     return rows[0] if rows else None
 
@@ -171,6 +235,12 @@ def read(select: sa.Executable, values: Mapping[str, Any]) -> list[dict[str, Any
     """
     with db.engine.connect() as connection:
         return as_dicts(connection.execute(select, values))
+
+
+def read_on(
+    connection: sa.Connection, select: sa.Executable, values: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    return as_dicts(connection.execute(select, values))
 
 
 def as_dicts(result: sa.Result[Any]) -> list[dict[str, Any]]:

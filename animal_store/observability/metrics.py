@@ -46,6 +46,7 @@ from prometheus_client import (
 )
 
 from animal_store.current import REQUEST, G
+from animal_store.data import standbys
 from animal_store.errors import OUTAGE_REASONS
 from animal_store.extensions import db, settings
 from animal_store.observability.master_metrics import InstanceProcesses
@@ -91,6 +92,21 @@ DATABASE_REFUSALS = Counter(
     "animal_store_database_refusals",
     "Requests answered 503 for the database, /readyz included, by reason: unavailable, "
     "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
+    ["reason"],
+)
+# Counted with standbys only (DATABASE_READ_URL; data/standbys.py): the reads of listPets and
+# getPet, by the server that served them, and those the primary served, by why.
+DATABASE_READS = Counter(
+    "animal_store_database_reads",
+    "Reads of listPets and getPet with standbys configured, by the server that served them: "
+    "primary, standby.",
+    ["server"],
+)
+READS_SENT_TO_PRIMARY = Counter(
+    "animal_store_database_reads_sent_to_primary",
+    "Reads the primary served with standbys configured, by reason: floor (a standby lacks the "
+    "client's own creations), walk (the position a page needs), lag, promoted, down, no_floor "
+    "(Redis does not answer), not_found (a standby lacks the animal).",
     ["reason"],
 )
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
@@ -199,6 +215,8 @@ class RequestMetrics:
         status = response.status_code
         reason = context.get("auth_failure")
         refusal = context.get("database_refusal")
+        # With standbys: "standby", or why the primary served the read (data/standbys.py).
+        read = context.get("database_read")
         # Only a creation is replayed: no other answer's headers are searched for the mark.
         replayed = served.method == "POST" and response.headers.get("Idempotent-Replayed") == "true"
         with self.lock:
@@ -214,6 +232,11 @@ class RequestMetrics:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
             if refusal:
                 self.counted[DATABASE_REFUSALS.labels(refusal)] += 1
+            if read == "standby":
+                self.counted[DATABASE_READS.labels("standby")] += 1
+            elif read:
+                self.counted[DATABASE_READS.labels("primary")] += 1
+                self.counted[READS_SENT_TO_PRIMARY.labels(read)] += 1
             if context.get("request_shed"):
                 self.counted[SHED] += 1
         self.write_if_due()
@@ -283,6 +306,11 @@ def init_metrics(app: Flask) -> RequestMetrics:
         DATABASE_REFUSALS.labels(reason)
     for reason in AUTH_FAILURE_REASONS:
         AUTH_FAILURES.labels(reason)
+    if settings(app).DATABASE_READ_URL is not None:
+        for server in ("primary", "standby"):
+            DATABASE_READS.labels(server)
+        for why in standbys.REASONS:
+            READS_SENT_TO_PRIMARY.labels(why)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
     return metrics
 

@@ -1,0 +1,225 @@
+"""Reads on the standbys (DATABASE_READ_URL): listPets and getPet served by a streaming standby
+whenever that is safe, by the primary otherwise; never a world older than the client's writes.
+
+Safety is a position in the primary's WAL, never a time. A read needs one: its key's floor
+(floors.py: where the WAL stood once the key's last creation was acknowledged) and, for a page,
+the position that holds every row its settled answer shows (keyset.SETTLED_AT; store.py). Before
+the read, on the very connection that will run it, the standby is checked: still in recovery,
+replayed up to that position, lagging at most DATABASE_READ_MAX_LAG. The check is a statement of
+its own, before the read's: the standbys' engine runs each statement in its own transaction
+(AUTOCOMMIT), so the read's snapshot is taken after a replay that holds the position. (In the same
+statement, or the same transaction under REPEATABLE READ, the position would be read after the
+snapshot was taken: the wrong way round.) Anything else sends the read to the primary, with its
+reason counted (metrics.py):
+
+- "floor": the standby has not replayed the client's own last creation;
+- "walk": nor the position a page needs (its settled answer's, or, for the last page of a walk,
+  the primary's current one);
+- "lag": it lags past DATABASE_READ_MAX_LAG;
+- "promoted": it is a primary now (its connection is dropped);
+- "down": it refused, failed or ran past its share of the request's deadline (STANDBY_SHARE):
+  then for RETRY_INTERVAL this process sends every read to the primary without trying, so a hung
+  standby costs one request a worker, not each;
+- "no_floor": Redis does not answer, so the key's floor is unknown;
+- "not_found": the animal is not on the standby (yet): the primary says whether it exists.
+
+A connection stays on one server for its life, whatever a host list or HAProxy balances, so the
+checked server is the one read, and what a connection last saw replayed (its pool entry's info)
+spares the check while it holds the position and was checked within CHECK_EVERY: a lag or a
+promotion is seen within that second. Replay only moves forward on one server; a new connection
+starts from nothing.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from flask import Flask, current_app, g
+from prometheus_client import Gauge
+from sqlalchemy import event
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from animal_store.data.deadlines import time_left, watch_engine
+from animal_store.data.floors import Floors
+from animal_store.extensions import settings
+from animal_store.settings import read_database_uri
+
+STATE = "animal_store_standbys"
+# At most this share of what is left of a request's deadline goes to a standby: the primary has
+# the rest, so a hung standby costs the request a slower answer, not a 503.
+STANDBY_SHARE = 0.5
+# Seconds a process sends every read to the primary after a standby failed.
+RETRY_INTERVAL = 2.0
+# Seconds a connection's last check stands for a read that needs no newer position.
+CHECK_EVERY = 1.0
+# Where a connection keeps the highest position its server was seen to have replayed, and when
+# its last check passed (its pool entry's info, which lives as long as the connection).
+REPLAYED, CHECKED_AT = "animal_store_replayed", "animal_store_checked_at"
+# The lag: 0 for a standby that has replayed all it received (an idle primary sends nothing, and
+# its last commit's time would read as lag), else the age of the last transaction it replayed.
+CHECK = sa.text(
+    "SELECT pg_is_in_recovery(), (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint, "
+    "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() THEN 0 "
+    "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END"
+)
+# On the primary, after a creation committed, on its connection: its commit record lies below.
+WAL_POSITION = sa.text("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+REASONS = ("floor", "walk", "lag", "promoted", "down", "no_floor", "not_found")
+
+LAG = Gauge(
+    "animal_store_standby_lag_seconds",
+    "The replay lag of the standby a worker last checked, as it saw it (-1: unknown).",
+    multiprocess_mode="livemax",
+)
+LOG = logging.getLogger("animal_store.data.standbys")
+
+Rows = TypeVar("Rows")
+
+
+class SentBack(Exception):  # noqa: N818 - not an error: a decision
+    """The read goes to the primary, for `reason`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PrimaryFailedError(Exception):
+    """A failure of the primary met during a read on a standby: it is the primary's, as if the
+    read had been made there (raised again as it came)."""
+
+    def __init__(self, error: SQLAlchemyError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Standbys:
+    """The standbys' engine and what this process knows of them."""
+
+    def __init__(self, app: Flask, url: str) -> None:
+        config = settings(app)
+        self.max_lag = config.DATABASE_READ_MAX_LAG
+        # The primary's pool size, deadlines and timeouts; no transactions (the module's docs).
+        self.engine = sa.create_engine(
+            url, **app.config["SQLALCHEMY_ENGINE_OPTIONS"], isolation_level="AUTOCOMMIT"
+        )
+        watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
+        event.listen(self.engine, "connect", forget_position)
+        self.floors = Floors(app)
+        self.paused_until = 0.0
+
+    def key_floor(self) -> int | None:
+        """The floor of the request's key (0 without one), None when it cannot be known."""
+        key = g.get("api_key")
+        if key is None:
+            return 0
+        floor = self.floors.floor(key.budget)
+        if floor is None:
+            sent_back("no_floor")
+        return floor
+
+    def read(
+        self, at_least: int, behind: str, read: Callable[[sa.Connection], Rows]
+    ) -> Rows | None:
+        """Return what `read` reads on a standby that has replayed `at_least` (else the reason
+        is `behind`), or None when it must be read on the primary (the reason noted)."""
+        now = time.monotonic()
+        if now < self.paused_until:
+            sent_back("down")
+            return None
+        left = time_left()
+        if left is not None:
+            g.standby_deadline = now + left * STANDBY_SHARE
+        try:
+            with self.engine.connect() as connection:
+                self.require(connection, at_least, behind)
+                rows = read(connection)
+        except SentBack as refusal:
+            sent_back(refusal.reason)
+            return None
+        except PrimaryFailedError as failed:
+            raise failed.error from None
+        except SQLAlchemyError as error:
+            if now >= self.paused_until:
+                LOG.warning(
+                    "A standby failed; reads go to the primary for %g s: %s",
+                    RETRY_INTERVAL,
+                    str(getattr(error, "orig", None) or error).strip().splitlines()[0],
+                )
+            self.paused_until = time.monotonic() + RETRY_INTERVAL
+            sent_back("down")
+            return None
+        finally:
+            g.pop("standby_deadline", None)
+        g.database_read = "standby"
+        return rows
+
+    def require(self, connection: sa.Connection, at_least: int, behind: str) -> None:
+        """Raise SentBack unless the connection's server is a standby within the lag bound that
+        has replayed `at_least`; ask it only when what it last said does not answer."""
+        info = connection.info
+        now = time.monotonic()
+        if info.get(REPLAYED, -1) >= at_least and now - info.get(CHECKED_AT, -CHECK_EVERY) < (
+            CHECK_EVERY
+        ):
+            return
+        recovering, replayed, lag = connection.execute(CHECK).one()
+        if not recovering:
+            connection.invalidate()
+            raise SentBack("promoted")
+        info[REPLAYED] = max(replayed, info.get(REPLAYED, -1))
+        LAG.set(-1 if lag is None else lag)
+        if lag is None or lag > self.max_lag:
+            info.pop(CHECKED_AT, None)
+            raise SentBack("lag")
+        info[CHECKED_AT] = now
+        if replayed < at_least:
+            raise SentBack(behind)
+
+    def note_creation(self, connection: sa.Connection) -> None:
+        """Raise the request's key's floor to where the primary's WAL stands now, on the
+        connection that has just committed the key's creation."""
+        key = g.get("api_key")
+        if key is not None:
+            self.floors.raise_floor(key.budget, connection.execute(WAL_POSITION).scalar_one())
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.floors.close()
+
+
+def forget_position(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+    # A new connection, perhaps to another server: what the entry's last one saw is not its own.
+    record.info.pop(REPLAYED, None)
+    record.info.pop(CHECKED_AT, None)
+
+
+def sent_back(reason: str) -> None:
+    # For the metrics (metrics.py): the read is the primary's, for this reason.
+    g.database_read = reason
+
+
+def init_standbys(app: Flask) -> None:
+    """Make the standbys' engine when DATABASE_READ_URL names them (settings.py refused it
+    without a PostgreSQL primary and a Redis)."""
+    url = read_database_uri(app)
+    if url is not None:
+        app.extensions[STATE] = Standbys(app, url)
+
+
+def standbys() -> Standbys | None:
+    """The app's standbys, None without DATABASE_READ_URL."""
+    found: Standbys | None = current_app.extensions.get(STATE)
+    return found
+
+
+def on_primary(ask: Callable[[], Any]) -> Any:
+    """Run `ask` on the primary from within a read on a standby: its failure is the primary's."""
+    try:
+        return ask()
+    except SQLAlchemyError as error:
+        raise PrimaryFailedError(error) from error
