@@ -271,7 +271,7 @@ class Settings:
         "``target_session_attrs=standby`` and ``load_balance_hosts=random``) or HAProxy's "
         "replica port; needs ``RATELIMIT_STORAGE_URI`` on Redis, where the clients' floors are "
         "kept. ``null``: every read on the primary. Usually set as ``DATABASE_READ_URL`` "
-        "(`High availability <deploy.rst#reads-on-the-standbys>`__)",
+        "(`Reads on the standbys <deploy.rst#reads-on-the-standbys>`__)",
     )
     DATABASE_READ_MAX_LAG: float = setting(
         seconds(above=0),
