@@ -53,6 +53,10 @@ Subtle points, each relied on:
   it, so the database is best not shared with code that takes advisory locks on one-bigint
   keys. Ids beyond 2**40 (a trillion) are marked as 2**40 - 1: pages near them stop sooner, no
   more.
+- Marks live in the primary's pg_locks, which no standby has (advisory locks are not
+  replicated): a page on a standby takes its answer from the primary, with the position of the
+  primary's WAL that holds every row up to it (SETTLED_AT), and reads on a standby that has
+  replayed that far (store.page_on_standby has the argument).
 - A reader with no mark of its own asks nothing of the writers: a transaction that writes
   elsewhere, in this database or another, holds nothing back.
 - An app keeps its answers while it runs, and an answer holds while the sequence goes on from

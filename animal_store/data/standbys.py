@@ -43,6 +43,7 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
 from animal_store.data.floors import Floors
 from animal_store.extensions import settings
@@ -144,12 +145,12 @@ class Standbys:
         except PrimaryFailedError as failed:
             raise failed.error from None
         except SQLAlchemyError as error:
-            if now >= self.paused_until:
-                LOG.warning(
-                    "A standby failed; reads go to the primary for %g s: %s",
-                    RETRY_INTERVAL,
-                    str(getattr(error, "orig", None) or error).strip().splitlines()[0],
-                )
+            # Once a pause at most: the next try comes after it.
+            LOG.warning(
+                "A standby failed; reads go to the primary for %g s: %s",
+                RETRY_INTERVAL,
+                first_line(getattr(error, "orig", None) or error),
+            )
             self.paused_until = time.monotonic() + RETRY_INTERVAL
             sent_back("down")
             return None

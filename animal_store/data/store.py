@@ -108,7 +108,8 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
     The first read takes as settled the rows up to what the app last heard from the database
     (keyset.known_settled_to). Where a row lies above, the read asks the database again
     (keyset.ask_settled_to) and reads again, in a transaction, and so a snapshot, begun after the
-    answer. With standbys (DATABASE_READ_URL), on one where it is safe (page_on_standby).
+    answer. With standbys (DATABASE_READ_URL), on one where it is safe (page_on_standby), which
+    reads `values["limit"]`: the rows asked, one past the page.
     """
     reads = standbys.standbys()
     if reads is not None:
