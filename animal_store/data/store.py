@@ -123,7 +123,11 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
         rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: known}))
         if all(row["settled"] for row in rows):
             return cast("list[PageRow]", rows)
-        answer = keyset.ask_settled_to(connection, table)
+        # With standbys, the answer with its position, for the app's next pages on them.
+        if reads is None:
+            answer = keyset.ask_settled_to(connection, table)
+        else:
+            answer = keyset.ask_position(connection, table)[0]
         if answer > known:
             # A transaction of its own: under REPEATABLE READ or SERIALIZABLE (a database's or
             # role's default) a read in the same one would reuse the snapshot from before.
