@@ -106,7 +106,7 @@ class Standbys:
         self.max_lag = config.DATABASE_READ_MAX_LAG
         # The primary's pool size, deadlines and timeouts; no transactions (the module's docs).
         self.engine = sa.create_engine(
-            url, **app.config["SQLALCHEMY_ENGINE_OPTIONS"], isolation_level="AUTOCOMMIT"
+            url, **{**app.config["SQLALCHEMY_ENGINE_OPTIONS"], "isolation_level": "AUTOCOMMIT"}
         )
         watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
         event.listen(self.engine, "connect", forget_position)
