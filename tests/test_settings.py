@@ -26,7 +26,7 @@ DOCS = PROJECT_DIR / "docs" / "configuration.rst"
 @pytest.fixture
 def clean_environment(monkeypatch, tmp_path):
     for name in os.environ:
-        if name == "DATABASE_URL" or name.startswith("ANIMAL_STORE_"):
+        if name in ("DATABASE_URL", "DATABASE_READ_URL") or name.startswith("ANIMAL_STORE_"):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -68,6 +68,22 @@ def test_deployment_reads_its_settings_file(clean_environment, environment):
     clean_environment.setenv("DATABASE_URL", "postgresql://u@db/store")
     app = create_app()
     assert app.config["SQLALCHEMY_DATABASE_URI"] == "postgresql+psycopg://u@db/store"
+
+
+def test_the_standbys_url_is_read_from_the_environment_as_the_primarys(clean_environment):
+    clean_environment.setenv("DATABASE_URL", "postgresql://store@db1/store")
+    clean_environment.setenv(
+        "DATABASE_READ_URL", "postgresql://store@db2,db3/store?target_session_attrs=standby"
+    )
+    clean_environment.setenv("ANIMAL_STORE_RATELIMIT_STORAGE_URI", "redis://127.0.0.1:1/0")
+    app = create_app()
+    standbys = app.extensions["animal_store_standbys"]
+    try:
+        assert standbys.engine.url.drivername == "postgresql+psycopg"
+        assert standbys.engine.url.query["host"] == ("db2", "db3")
+        assert standbys.engine.url.query["target_session_attrs"] == "standby"
+    finally:
+        standbys.close()
 
 
 def test_unknown_deployment_fails_at_boot(clean_environment):
@@ -145,6 +161,9 @@ BAD_VALUES = [
     ("DATABASE_POOL_TIMEOUT", "-5"),
     ("ANSWER_CACHE_BYTES", "-1"),
     ("ANSWER_CACHE_BYTES", "8M"),
+    ("DATABASE_READ_URL", "mysql://store@db/store"),
+    ("DATABASE_READ_URL", "the standbys"),
+    ("DATABASE_READ_MAX_LAG", "0"),
     ("DATABASE_BEHIND_PGBOUNCER", "yes"),
     ("DATABASE_BEHIND_PGBOUNCER", '"false"'),
     (
