@@ -195,13 +195,6 @@ def conflicts(loaded: dict[str, Any]) -> list[str]:
             "Setting DATABASE_READ_URL names standbys, which only a PostgreSQL DATABASE_URL has: "
             "unset it, or set DATABASE_URL to the primary's PostgreSQL URL."
         )
-    if loaded.get("RATELIMIT_STORAGE_URI") == "memory://":
-        said.append(
-            "Setting DATABASE_READ_URL needs RATELIMIT_STORAGE_URI on Redis, where every "
-            "instance keeps its clients' floors (docs/deploy.rst, Reads on the standbys): "
-            "memory:// keeps them per process, and a client would read a standby behind its "
-            "own creations."
-        )
     return said
 
 

@@ -1,33 +1,37 @@
 """Reads on the standbys (DATABASE_READ_URL): listPets and getPet served by a streaming standby
 whenever that is safe, by the primary otherwise; never a world older than the client's writes.
 
-Safety is a position in the primary's WAL, never a time. A read needs one: its key's floor
-(floors.py: where the WAL stood once the key's last creation was acknowledged) and, for a page,
-the position that holds every row its settled answer shows (keyset.SETTLED_AT; store.py). Before
-the read, on the very connection that will run it, the standby is checked: still in recovery,
-replayed up to that position, lagging at most DATABASE_READ_MAX_LAG. The check is a statement of
-its own, before the read's: the standbys' engine runs each statement in its own transaction
+Safety is a position in the primary's WAL, never a time, and it needs no state per client:
+
+- An animal never changes once created (answers.py), so one a standby has is the primary's. One
+  it lacks may be a creation it has not replayed yet: the primary says whether it exists
+  ("not_found"). So a client finds its own creation by id at once, whatever the lag.
+- A page shows the rows its app knows settled (keyset.py), from a standby that has replayed the
+  position that holds them all; the walk's last page, from one that has replayed where the
+  primary's WAL stands now, so it holds every creation acknowledged before the walk began, the
+  client's own included (store.page_on_standby has the argument).
+
+A standby is checked on the very connection that will read, in a statement of its own before the
+read: still in recovery, replayed up to the position the read needs, lagging at most
+DATABASE_READ_MAX_LAG. The standbys' engine runs each statement in its own transaction
 (AUTOCOMMIT), so the read's snapshot is taken after a replay that holds the position. (In the same
 statement, or the same transaction under REPEATABLE READ, the position would be read after the
-snapshot was taken: the wrong way round.) Anything else sends the read to the primary, with its
-reason counted (metrics.py):
+snapshot was taken: the wrong way round.) Anything else sends the read to the primary, its reason
+counted (metrics.py):
 
-- "floor": the standby has not replayed the client's own last creation;
-- "walk": nor the position a page needs (its settled answer's, or, for the last page of a walk,
-  the primary's current one);
-- "lag": it lags past DATABASE_READ_MAX_LAG;
+- "walk": the standby has not replayed the position a page needs;
+- "lag": it lags past DATABASE_READ_MAX_LAG, or cannot tell its lag;
 - "promoted": it is a primary now (its connection is dropped);
 - "down": it refused, failed or ran past its share of the request's deadline (STANDBY_SHARE):
-  then for RETRY_INTERVAL this process sends every read to the primary without trying, so a hung
-  standby costs one request a worker, not each;
-- "no_floor": Redis does not answer, so the key's floor is unknown;
-- "not_found": the animal is not on the standby (yet): the primary says whether it exists.
+  then for RETRY_INTERVAL this process sends every read to the primary without trying, so a
+  standby that fails costs one request a worker, not each (one that hangs, the engine's deadline
+  Backoff skips for a second too: deadlines.py);
+- "not_found": the animal is not on the standby (yet).
 
 A connection stays on one server for its life, whatever a host list or HAProxy balances, so the
-checked server is the one read, and what a connection last saw replayed (its pool entry's info)
-spares the check while it holds the position and was checked within CHECK_EVERY: a lag or a
-promotion is seen within that second. Replay only moves forward on one server; a new connection
-starts from nothing.
+checked server is the one read, and what a connection last saw replayed (its pool entry's info,
+forgotten when the entry connects again, perhaps elsewhere) spares the check while it holds the
+position and was checked within CHECK_EVERY: a lag or a promotion is seen within that second.
 """
 
 import logging
@@ -45,7 +49,6 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
-from animal_store.data.floors import Floors
 from animal_store.extensions import settings
 from animal_store.settings import read_database_uri
 
@@ -67,9 +70,7 @@ CHECK = sa.text(
     "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() THEN 0 "
     "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END"
 )
-# On the primary, after a creation committed, on its connection: its commit record lies below.
-WAL_POSITION = sa.text("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-REASONS = ("floor", "walk", "lag", "promoted", "down", "no_floor", "not_found")
+REASONS = ("walk", "lag", "promoted", "down", "not_found")
 
 LAG = Gauge(
     "animal_store_standby_lag_seconds",
@@ -110,18 +111,7 @@ class Standbys:
         )
         watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
         event.listen(self.engine, "connect", forget_position)
-        self.floors = Floors(app)
         self.paused_until = 0.0
-
-    def key_floor(self) -> int | None:
-        """The floor of the request's key (0 without one), None when it cannot be known."""
-        key = g.get("api_key")
-        if key is None:
-            return 0
-        floor = self.floors.floor(key.budget)
-        if floor is None:
-            sent_back("no_floor")
-        return floor
 
     def read(
         self, at_least: int, behind: str, read: Callable[[sa.Connection], Rows]
@@ -181,16 +171,8 @@ class Standbys:
         if replayed < at_least:
             raise SentBack(behind)
 
-    def note_creation(self, connection: sa.Connection) -> None:
-        """Raise the request's key's floor to where the primary's WAL stands now, on the
-        connection that has just committed the key's creation."""
-        key = g.get("api_key")
-        if key is not None:
-            self.floors.raise_floor(key.budget, connection.execute(WAL_POSITION).scalar_one())
-
     def close(self) -> None:
         self.engine.dispose()
-        self.floors.close()
 
 
 def forget_position(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
@@ -206,7 +188,7 @@ def sent_back(reason: str) -> None:
 
 def init_standbys(app: Flask) -> None:
     """Make the standbys' engine when DATABASE_READ_URL names them (settings.py refused it
-    without a PostgreSQL primary and a Redis)."""
+    without a PostgreSQL primary)."""
     url = read_database_uri(app)
     if url is not None:
         app.extensions[STATE] = Standbys(app, url)

@@ -113,11 +113,9 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
     """
     reads = standbys.standbys()
     if reads is not None:
-        floor = reads.key_floor()
-        if floor is not None:
-            on_standby = reads.read(*page_on_standby(select, values, table, floor))
-            if on_standby is not None:
-                return on_standby
+        on_standby = reads.read(*page_on_standby(select, values, table))
+        if on_standby is not None:
+            return on_standby
     with db.engine.connect() as connection:
         known = keyset.known_settled_to(connection, table)
         rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: known}))
@@ -139,23 +137,25 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
 
 
 def page_on_standby(
-    select: sa.Executable, values: Mapping[str, Any], table: sa.Table, floor: int
+    select: sa.Executable, values: Mapping[str, Any], table: sa.Table
 ) -> tuple[int, str, Callable[[sa.Connection], list[PageRow]]]:
-    """The read of a keyset page on a standby, and the position it needs first (its reason
+    """The read of a keyset page on a standby, and the position it needs first (and the reason
     when the standby lacks it), for standbys.Standbys.read.
 
     The page shows what it would on the primary, from a snapshot that holds it. The app keeps
     its highest settled answer S with the primary's WAL position L read after it
     (keyset.SETTLED_AT): every row up to S that committed did so below L. On a standby that has
-    replayed L (and the key's floor), the page's rows up to S are those the primary's snapshot
-    would show, so a full page of settled rows is exact, as on the primary: no row it passes is
-    missing, none can come later below its last id (keyset.py). Its next page starts there.
-    Where a row lies above S, or the page is the walk's last (fewer rows than asked: no next
-    link), the primary is asked again for (S', L'), and the page is read again on a standby that
-    has replayed L': L' was read after the walk began, so every creation acknowledged before
-    then lies below it, and the last page shows each one (those above S' are not settled, and
-    cut the page short with a next link, as on the primary). A standby short of L' sends the
-    page to the primary ("walk").
+    replayed L, the page's rows up to S are those the primary's snapshot would show, so a full
+    page of settled rows is exact, as on the primary: no row it passes is missing, none can come
+    later below its last id (keyset.py). Its next page starts there. Where a row lies above S,
+    or the page is the walk's last (fewer rows than asked: no next link), the primary is asked
+    again for (S', L'), and the page is read again on a standby that has replayed L': L' was
+    read after the walk began, so every creation acknowledged before then, the client's own
+    included, lies below it, and the last page shows each one (those above S' are not settled,
+    and cut the page short with a next link, as on the primary). A standby short of L' sends
+    the page to the primary ("walk"). So a client's own creation, which has the highest id it
+    knows of, is on a page with a row the app knew settled after it (which L covers) or on the
+    last page: no floor per client is needed.
     """
     settled_to, position = keyset.known_position(table)
 
@@ -171,8 +171,7 @@ def page_on_standby(
         rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: answer}))
         return cast("list[PageRow]", rows)
 
-    behind = "floor" if floor >= position else "walk"
-    return max(floor, position), behind, read_page_here
+    return position, "walk", read_page_here
 
 
 def ask_position(table: sa.Table) -> tuple[int, int]:
@@ -181,21 +180,17 @@ def ask_position(table: sa.Table) -> tuple[int, int]:
 
 
 def find_pet(pet_id: int) -> PetRow | None:
-    """Return the animal with this id, or None: from a standby where it has it, and a floor is
-    known; from the primary otherwise, and before None (never a standby's not found)."""
+    """Return the animal with this id, or None: from a standby where it has it (an animal never
+    changes), from the primary otherwise, and before None (never a standby's not found)."""
     reads = standbys.standbys()
     if reads is not None:
-        floor = reads.key_floor()
-        if floor is not None:
-            found = reads.read(
-                floor,
-                "floor",
-                lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id}),
-            )
-            if found:
-                return cast("PetRow", found[0])
-            if found is not None:
-                standbys.sent_back("not_found")
+        found = reads.read(
+            0, "walk", lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id})
+        )
+        if found:
+            return cast("PetRow", found[0])
+        if found is not None:
+            standbys.sent_back("not_found")
     rows = cast("list[PetRow]", read(PET_BY_ID, {"pet_id": pet_id}))
     return rows[0] if rows else None
 

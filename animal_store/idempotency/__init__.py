@@ -32,7 +32,6 @@ from sqlalchemy import Connection
 
 from animal_store import errors
 from animal_store.api import Header, declare_errors, declare_parameter
-from animal_store.data.standbys import standbys
 from animal_store.extensions import db
 from animal_store.idempotency.claims import RECORDS, Claim, claim, maybe_purge_expired
 from animal_store.idempotency.header import KEY_PARAMETER, idempotency_key
@@ -121,19 +120,12 @@ def creation_transaction() -> Iterator[Connection]:
     """Give a creating view its transaction, committed when the block ends and rolled back if it
     raises: the one that holds the request's Idempotency-Key, or one of its own without a key."""
     held: Claim | None = g.get("idempotency_claim")
-    reads = standbys()
     if held is None:
-        with db.engine.connect() as connection:
-            with connection.begin():
-                yield connection
-            if reads is not None:
-                reads.note_creation(connection)
+        with db.engine.begin() as connection:
+            yield connection
         return
     yield held.connection
     held.connection.commit()
-    if reads is not None:
-        # The key's floor, for its reads on the standbys (standbys.py): once committed.
-        reads.note_creation(held.connection)
 
 
 def remember(connection: Connection, response: Response) -> None:

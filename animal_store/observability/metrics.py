@@ -104,9 +104,8 @@ DATABASE_READS = Counter(
 )
 READS_SENT_TO_PRIMARY = Counter(
     "animal_store_database_reads_sent_to_primary",
-    "Reads the primary served with standbys configured, by reason: floor (a standby lacks the "
-    "client's own creations), walk (the position a page needs), lag, promoted, down, no_floor "
-    "(Redis does not answer), not_found (a standby lacks the animal).",
+    "Reads the primary served with standbys configured, by reason: walk (a standby lacks the "
+    "position a page needs), lag, promoted, down, not_found (a standby lacks the animal).",
     ["reason"],
 )
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
