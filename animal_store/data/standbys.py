@@ -29,9 +29,9 @@ counted (metrics.py):
 - "not_found": the animal is not on the standby (yet).
 
 A connection stays on one server for its life, whatever a host list or HAProxy balances, so the
-checked server is the one read, and what a connection last saw replayed (its pool entry's info,
-forgotten when the entry connects again, perhaps elsewhere) spares the check while it holds the
-position and was checked within CHECK_EVERY: a lag or a promotion is seen within that second.
+checked server is the one read, and what a connection last saw replayed (REPLAYED) spares the
+check while it holds the position and was checked within CHECK_EVERY: a lag or a promotion is
+seen within that second.
 """
 
 import logging
@@ -42,10 +42,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from flask import Flask, current_app, g
 from prometheus_client import Gauge
-from sqlalchemy import event
-from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import ConnectionPoolEntry
 
 from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
@@ -61,7 +58,8 @@ RETRY_INTERVAL = 2.0
 # Seconds a connection's last check stands for a read that needs no newer position.
 CHECK_EVERY = 1.0
 # Where a connection keeps the highest position its server was seen to have replayed, and when
-# its last check passed (its pool entry's info, which lives as long as the connection).
+# its last check passed: its pool entry's info, which SQLAlchemy empties whenever the entry
+# connects again (perhaps to another server), so it lives exactly as long as the connection.
 REPLAYED, CHECKED_AT = "animal_store_replayed", "animal_store_checked_at"
 # The lag: 0 for a standby that has replayed all it received (an idle primary sends nothing, and
 # its last commit's time would read as lag), else the age of the last transaction it replayed.
@@ -110,7 +108,6 @@ class Standbys:
             url, **{**app.config["SQLALCHEMY_ENGINE_OPTIONS"], "isolation_level": "AUTOCOMMIT"}
         )
         watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
-        event.listen(self.engine, "connect", forget_position)
         self.paused_until = 0.0
 
     def read(
@@ -173,12 +170,6 @@ class Standbys:
 
     def close(self) -> None:
         self.engine.dispose()
-
-
-def forget_position(_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
-    # A new connection, perhaps to another server: what the entry's last one saw is not its own.
-    record.info.pop(REPLAYED, None)
-    record.info.pop(CHECKED_AT, None)
 
 
 def sent_back(reason: str) -> None:
