@@ -75,7 +75,6 @@ def test_the_standbys_url_is_read_from_the_environment_as_the_primarys(clean_env
     clean_environment.setenv(
         "DATABASE_READ_URL", "postgresql://store@db2,db3/store?target_session_attrs=standby"
     )
-    clean_environment.setenv("ANIMAL_STORE_RATELIMIT_STORAGE_URI", "redis://127.0.0.1:1/0")
     app = create_app()
     standbys = app.extensions["animal_store_standbys"]
     try:
