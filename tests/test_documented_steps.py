@@ -205,7 +205,7 @@ def test_the_documented_sed_changes_a_members_own_addresses_and_keeps_etcds_clus
 
 def environment_loader() -> str:
     """The line that loads /etc/patroni_env.conf into root's shell, as step 3 gives it."""
-    block = block_with(STEP_BY_STEP, "/etc/patroni_env.conf", "set -a")
+    block = block_with(STEP_BY_STEP, ". /etc/patroni_env.conf")
     assert block.count("\n") == 1, block
     return block.strip()
 
@@ -563,14 +563,14 @@ def test_step_6s_curl_reaches_nginx_with_step_6s_self_signed_certificate(tmp_pat
                 ["curl", *options, *resolve, url], capture_output=True, text=True, timeout=30
             )
 
+        as_shown = curl(*command[1:-1])
+        assert as_shown.returncode == 0, as_shown.stderr
+        assert as_shown.stdout.startswith("HTTP/2 502"), as_shown.stdout
         said = prose(step)
         refusal = re.search(r"\(without it: ``(curl: \(60\) [^`]*)``\)", said)
         cacert = re.search(r"``--cacert (\S+)`` instead checks", said)
         assert refusal, said
         assert cacert, said
-        as_shown = curl(*command[1:-1])
-        assert as_shown.returncode == 0, as_shown.stderr
-        assert as_shown.stdout.startswith("HTTP/2 502"), as_shown.stdout
         without = curl(*[option for option in command[1:-1] if option != "-ik"], "-i")
         assert without.returncode == 60, without.stderr
         assert refusal[1] in without.stderr.splitlines()  # below curl's progress meter
