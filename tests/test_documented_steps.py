@@ -4,11 +4,11 @@ docs/operations.rst (A database machine lost) as an operator runs them (issue 49
 Each command the docs give is taken from its literal block and run where it can run here: the
 sed that makes db2's and db3's etcd.env, on the shipped file; step 2's password on a cluster of
 the test's own that logs every statement; the High availability userlist and ALTER ROLE on that
-cluster's primary and its standby, the ssh to PgBouncer's machine run locally; /etc/
-patroni_env.conf loaded as shown, for Patroni's own request code; HAProxy on the shipped file;
-step 6's certificate and curl against the shipped nginx; the overload key through the CLI and
-the API. Where a step is for machines the test does not have (the members' REST APIs), the check
-is of what the step says against the shipped files.
+cluster's primary and its standby, the ssh to PgBouncer's machine run locally; the line that
+loads /etc/patroni_env.conf, for Patroni's own request code; HAProxy on the shipped file; step
+6's certificate and curl against the shipped nginx; the overload key through the CLI and the
+API; step 3's file with its other Redis, for the app. Where a step is for machines the test does
+not have (the members' REST APIs), the check is of what the step says against the shipped files.
 """
 
 import base64
@@ -393,6 +393,8 @@ def test_shipped_haproxy_cfg_runs_with_no_alert(tmp_path):
     the chroot (here an empty directory of the test's), it says an ALERT too."""
     source = PATRONI_FILES / "haproxy.cfg"
     text = source.read_text()
+    # Not run as root, HAProxy keeps no chroot, and a machine with a /dev/log of its own (the
+    # journal's) would take a `log /dev/log` without a word: the run below could not tell.
     assert not [line for line in text.splitlines() if line.split()[:1] == ["log"]]
     check = subprocess.run(
         [HAPROXY, "-c", "-f", str(source)], capture_output=True, text=True, timeout=30
