@@ -190,6 +190,13 @@ BAD_VALUES = [
     ("RATELIMIT_ENABLED", '"off"'),
     ("RATELIMIT_STORAGE_URI", "127.0.0.1:6379"),
     ("RATELIMIT_STORAGE_URI", "http://redis.example:6379/0"),
+    # Redis Sentinel: no service name, a Sentinel without its port, a port that is no number,
+    # a database that is no number, no Sentinel at all.
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379,10.0.0.6:26379"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379,10.0.0.6/animal-store"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:sentinel/animal-store"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379/animal-store/zero"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel:///animal-store"),
     ("RATELIMIT_SYNC_INTERVAL", "-1"),
     ("RATELIMIT_RETRY_INTERVAL", "0"),
     ("RATELIMIT_STORAGE_OPTIONS", "socket_timeout=1"),

@@ -48,19 +48,20 @@ import secrets
 import socket
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 from cachetools import TLRUCache
 from flask import Flask
 from limits import RateLimitItem, parse_many
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from animal_store import errors
 from animal_store.extensions import settings
-from animal_store.settings_schema import Settings
+from animal_store.settings_schema import SENTINEL_SCHEME, Settings, parse_sentinel_uri
 
 # What /readyz says of the counts (counting()).
 SHARED, PER_PROCESS, UNREACHABLE, OFF = "shared", "per process", "storage unreachable", "off"
@@ -70,6 +71,10 @@ KEY_PREFIX = "animal-store"
 KNOWN_WINDOWS = 10_000
 # The breaker's retry interval doubles from RATELIMIT_RETRY_INTERVAL up to this (seconds).
 MAX_RETRY_INTERVAL = 4.0
+# Through Sentinels, up to this: a failover is what the breaker waits for, and the new master
+# must be counted in within the 10 s docs/deploy.rst promises (the shipped Sentinels promote one
+# about 4 s after the master stops answering). A try costs what it does with one Redis.
+SENTINEL_MAX_RETRY_INTERVAL = 2.0
 # /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
 
@@ -85,6 +90,16 @@ DEGRADED_SECONDS = Counter(
     "animal_store_rate_limit_degraded_seconds",
     "Seconds the workers counted rate limits apart because Redis did not answer, summed over "
     "the workers.",
+)
+# 1 for the Redis the workers last synced with, by address (host:port, or a Unix socket's path),
+# 0 for one they counted in before; a failover moves the 1 to the new master. None is 1 while they
+# count apart.
+STORAGE = Gauge(
+    "animal_store_rate_limit_storage",
+    "The Redis the workers count rate limits in, by address: 1 where a live worker last synced, "
+    "0 where one synced before (a master before a failover) or while none answers.",
+    ["address"],
+    multiprocess_mode="livemax",
 )
 
 # One round trip for all of a worker's windows. Each window is a hash of what each worker counted
@@ -177,14 +192,12 @@ class RateLimiter:
         self.sync_interval = float(config.RATELIMIT_SYNC_INTERVAL)
         self.retry_interval = self.retry_in = float(config.RATELIMIT_RETRY_INTERVAL)
         self.redis: redis.Redis | None = None
+        self.max_retry_in = max(MAX_RETRY_INTERVAL, self.retry_interval)
         if self.enabled and self.uri != "memory://":
-            # Connects on first use, in the worker: a Redis that is down never stops the boot.
-            # No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker
-            # is the retry, and theirs would multiply the wait of a request.
-            self.redis = redis.Redis.from_url(
-                self.uri, retry=Retry(NoBackoff(), 0), **config.RATELIMIT_STORAGE_OPTIONS
-            )
+            self.redis = storage_client(self.uri, config.RATELIMIT_STORAGE_OPTIONS)
             self.script = self.redis.register_script(SYNC_SCRIPT)
+            if self.uri.startswith(SENTINEL_SCHEME + "://"):
+                self.max_retry_in = max(SENTINEL_MAX_RETRY_INTERVAL, self.retry_interval)
         # A limit's text parsed once: a key's limit is read on every request.
         self.parsed: dict[str, list[RateLimitItem]] = {}
         # Each open window's tally by (budget, limit), until the window ends (cachetools).
@@ -201,6 +214,8 @@ class RateLimiter:
         # This process, and its name in the windows' hashes: both set at its first sync.
         self.pid: int | None = None
         self.worker = ""
+        # The Redis this worker last synced with (STORAGE), None while it counts apart.
+        self.storage_address: str | None = None
 
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
@@ -314,6 +329,7 @@ class RateLimiter:
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
         self.retry_in = self.retry_interval
+        self.counts_in(storage_address(self.redis))
         if self.degraded_since is not None:
             DEGRADED_SECONDS.inc(self.last_contact - self.degraded_since)
             self.degraded_since = None
@@ -325,7 +341,8 @@ class RateLimiter:
         # costs a worker ever less, and one that answers again is found within that.
         now = time.monotonic()
         self.next_sync = now + self.retry_in
-        self.retry_in = min(2 * self.retry_in, max(MAX_RETRY_INTERVAL, self.retry_interval))
+        self.retry_in = min(2 * self.retry_in, self.max_retry_in)
+        self.counts_in(None)
         if self.degraded_since is None:
             self.logger.error(
                 "Rate limit storage failed; each worker counts alone until it answers: %s", error
@@ -333,6 +350,17 @@ class RateLimiter:
             self.degraded_since = started
         DEGRADED_SECONDS.inc(now - self.degraded_since)
         self.degraded_since = now
+
+    def counts_in(self, address: str | None) -> None:
+        """Say in STORAGE which Redis this worker counts in: a change at a failover, at a loss
+        of contact and at its end, else nothing (a sync's cost is a comparison)."""
+        if address == self.storage_address:
+            return
+        if self.storage_address is not None:
+            STORAGE.labels(self.storage_address).set(0)
+        if address is not None:
+            STORAGE.labels(address).set(1)
+        self.storage_address = address
 
     def state(self) -> str:
         """Say how the limits are counted now: shared, per process, storage unreachable or off;
@@ -348,6 +376,50 @@ class RateLimiter:
         elif self.last_contact is None or now - self.last_contact >= HEALTH_INTERVAL:
             self.sync()
         return UNREACHABLE if self.degraded_since is not None else SHARED
+
+
+def storage_client(uri: str, options: dict[str, Any]) -> redis.Redis:
+    """Make the client of RATELIMIT_STORAGE_URI: one Redis, or the master Redis Sentinels name.
+
+    It connects on first use, in the worker: a Redis or Sentinels that are down never stop the
+    boot. No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker is the
+    retry, and theirs would multiply the wait of a request.
+
+    Through Sentinels, every connection the pool opens asks them for the master first (the one
+    that answered first asked next time), and a connection whose Redis fails or turns replica
+    (Sentinel kills its clients on a failover; a write to a replica is refused) is closed: the
+    breaker's next try asks the Sentinels again. The options (timeouts) hold for the Sentinels
+    and the master alike, so a hung Sentinel costs a try its socket timeout, as a hung master
+    does. A connection that lives, lives on the master: the request path is the same as with
+    one Redis."""
+    no_retries = Retry(NoBackoff(), 0)
+    if not uri.startswith(SENTINEL_SCHEME + "://"):
+        return redis.Redis.from_url(uri, retry=no_retries, **options)
+    where = parse_sentinel_uri(uri)
+    # The URL's password is the Sentinels' and the Redis', as `limits` has it.
+    options = {"username": where.username, "password": where.password, **options}
+    # redis-py's Sentinel is untyped.
+    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        where.sentinels, sentinel_kwargs={**options, "retry": no_retries}
+    )
+    master: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+        where.service_name, db=where.db, retry=no_retries, **options
+    )
+    return master
+
+
+def storage_address(client: redis.Redis | None) -> str | None:
+    """The address of the Redis a client's connections go to: the master the Sentinels last
+    named, else the URL's host and port or socket path."""
+    assert client is not None
+    pool = client.connection_pool
+    host, port = getattr(pool, "master_address", None) or (
+        pool.connection_kwargs.get("host"),
+        pool.connection_kwargs.get("port"),
+    )
+    if host is None:
+        return str(pool.connection_kwargs.get("path"))
+    return f"{host}:{port}"
 
 
 def window_end(_key: tuple[str, RateLimitItem], tally: Tally, _now: float) -> float:
