@@ -96,7 +96,7 @@ def workers_counting_in(server, port):
     """How many of the instance's workers last synced with the Redis on `port`."""
     text = requests.get(server.url + "/metrics", timeout=10).text
     found = re.search(
-        rf'^animal_store_rate_limit_storage\{{address="127\.0\.0\.1:{port}"\}} (\S+)$',
+        rf'^animal_store_rate_limit_storage_workers\{{address="127\.0\.0\.1:{port}"\}} (\S+)$',
         text,
         re.MULTILINE,
     )

@@ -35,6 +35,11 @@ timeout. The log says so once, /readyz says so while it lasts (counting()), and 
 that succeeds adds the hits counted meanwhile to the windows still open. memory:// counts in each
 process only: exact for the development server, the limit times the workers under gunicorn.
 
+redis+sentinel:// counts in the master Redis Sentinels name (storage_client()): each connection
+asks them, and one that fails or finds its Redis demoted is closed, so the breaker's next try
+finds the new master; its tries double up to 2 s only, so a failover is followed within seconds.
+STORAGE says which Redis the workers count in.
+
 Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
 they count on the request path, a round trip per request, a tenth of a worker's CPU, and with
 Redis hung every request waited out the socket timeout (issue "Degrade, don't stall"). `limits`
@@ -91,15 +96,15 @@ DEGRADED_SECONDS = Counter(
     "Seconds the workers counted rate limits apart because Redis did not answer, summed over "
     "the workers.",
 )
-# 1 for the Redis the workers last synced with, by address (host:port, or a Unix socket's path),
-# 0 for one they counted in before; a failover moves the 1 to the new master. None is 1 while they
-# count apart.
+# The workers counting in each Redis, by address (host:port, or a Unix socket's path): each live
+# worker is 1 where it last synced, 0 where it synced before or while it counts apart. A failover
+# moves them all to the new master's address; none while Redis does not answer.
 STORAGE = Gauge(
-    "animal_store_rate_limit_storage",
-    "The Redis the workers count rate limits in, by address: 1 where a live worker last synced, "
-    "0 where one synced before (a master before a failover) or while none answers.",
+    "animal_store_rate_limit_storage_workers",
+    "Workers counting rate limits in each Redis, by address: where they last synced (a failover "
+    "moves them to the new master; 0 everywhere while they count apart).",
     ["address"],
-    multiprocess_mode="livemax",
+    multiprocess_mode="livesum",
 )
 
 # One round trip for all of a worker's windows. Each window is a hash of what each worker counted
