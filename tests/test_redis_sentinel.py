@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from conftest import Gunicorn
 from nginx_server import free_port
 from redis_sentinel_cluster import REDIS_SENTINEL, REDIS_SERVER, SentinelCluster, sentinel_timings
 from test_rate_limits import bearer, synced
@@ -72,8 +73,6 @@ def new_key(store, limit):
 @pytest.fixture(scope="module")
 def instances(cluster, module_database, tmp_path_factory):
     """Two instances of WORKERS workers each, counting through the three Sentinels."""
-    from conftest import Gunicorn
-
     directory = tmp_path_factory.mktemp("sentinel-gunicorn")
     servers = []
     try:
@@ -182,7 +181,7 @@ def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances
     cluster.wait_until_watched()
     old_port = cluster.master_port()
     wait_until_counting_in(instances, old_port, time.monotonic(), 30)
-    booted = [server.log().count("Booting worker") for server in instances]
+    booted = [server.log().count("Worker ready") for server in instances]
     load = Load(instances, new_key(store, "1000000 per minute"))
     try:
         time.sleep(0.5)
@@ -213,7 +212,7 @@ def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances
     for server in instances:
         assert workers_counting_in(server, new_port) == WORKERS
         assert requests.get(server.url + "/readyz", timeout=10).json()["rateLimits"] == "shared"
-    assert [server.log().count("Booting worker") for server in instances] == booted
+    assert [server.log().count("Worker ready") for server in instances] == booted
 
 
 def test_the_shipped_sentinel_timings_are_what_the_docs_promise():

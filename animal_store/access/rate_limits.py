@@ -38,7 +38,9 @@ process only: exact for the development server, the limit times the workers unde
 redis+sentinel:// counts in the master Redis Sentinels name (storage_client()): each connection
 asks them, and one that fails or finds its Redis demoted is closed, so the breaker's next try
 finds the new master; its tries double up to 2 s only, so a failover is followed within seconds.
-STORAGE says which Redis the workers count in.
+A sync also asks the Sentinels once a second (follow_master()): a planned failover leaves the old
+master answering, and taking counts no other worker reads, until Sentinel demotes it. STORAGE
+says which Redis the workers count in.
 
 Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
 they count on the request path, a round trip per request, a tenth of a worker's CPU, and with
@@ -46,6 +48,7 @@ Redis hung every request waited out the socket timeout (issue "Degrade, don't st
 still parses the limits and names the windows.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -62,7 +65,7 @@ from limits import RateLimitItem, parse_many
 from prometheus_client import Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from animal_store import errors
 from animal_store.extensions import settings
@@ -80,6 +83,10 @@ MAX_RETRY_INTERVAL = 4.0
 # must be counted in within the 10 s docs/deploy.rst promises (the shipped Sentinels promote one
 # about 4 s after the master stops answering). A try costs what it does with one Redis.
 SENTINEL_MAX_RETRY_INTERVAL = 2.0
+# Through Sentinels, a worker asks them which Redis is master at most this often (seconds), at a
+# sync: on a planned failover the old master takes writes until Sentinel demotes it, 8 s or more
+# after the new one is promoted, and a worker's connection to it would count there meanwhile.
+MASTER_CHECK_INTERVAL = 1.0
 # /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
 
@@ -198,10 +205,14 @@ class RateLimiter:
         self.retry_interval = self.retry_in = float(config.RATELIMIT_RETRY_INTERVAL)
         self.redis: redis.Redis | None = None
         self.max_retry_in = max(MAX_RETRY_INTERVAL, self.retry_interval)
+        # Through Sentinels: their pool, and when (time.monotonic()) a sync next asks them.
+        self.sentinel_pool: SentinelConnectionPool | None = None
+        self.next_master_check = 0.0
         if self.enabled and self.uri != "memory://":
             self.redis = storage_client(self.uri, config.RATELIMIT_STORAGE_OPTIONS)
             self.script = self.redis.register_script(SYNC_SCRIPT)
-            if self.uri.startswith(SENTINEL_SCHEME + "://"):
+            if isinstance(self.redis.connection_pool, SentinelConnectionPool):
+                self.sentinel_pool = self.redis.connection_pool
                 self.max_retry_in = max(SENTINEL_MAX_RETRY_INTERVAL, self.retry_interval)
         # A limit's text parsed once: a key's limit is read on every request.
         self.parsed: dict[str, list[RateLimitItem]] = {}
@@ -299,6 +310,8 @@ class RateLimiter:
                     for tally in self.tallies.values()
                     if tally.mine > tally.synced or 2 * tally.count >= tally.limit.amount
                 ]
+            if self.sentinel_pool is not None and started >= self.next_master_check:
+                self.follow_master(started)
             try:
                 if batch:
                     answers = self.ask(batch)
@@ -321,6 +334,16 @@ class RateLimiter:
             self.made_contact()
         finally:
             self.sync_lock.release()
+
+    def follow_master(self, now: float) -> None:
+        """Ask the Sentinels which Redis is master; when another than this worker's connection
+        goes to, redis-py closes it, and this sync connects to the new one."""
+        assert self.sentinel_pool is not None
+        self.next_master_check = now + MASTER_CHECK_INTERVAL
+        # No Sentinel answers, or none names a master that is up: the connection's Redis may
+        # still answer, and the sync tells.
+        with contextlib.suppress(redis.RedisError):
+            self.sentinel_pool.get_master_address()
 
     def ask(self, batch: list[tuple[Tally, int, bool]]) -> list[list[int]]:
         args: list[str | int] = [self.worker]
