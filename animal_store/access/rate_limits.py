@@ -343,7 +343,7 @@ class RateLimiter:
         # No Sentinel answers, or none names a master that is up: the connection's Redis may
         # still answer, and the sync tells.
         with contextlib.suppress(redis.RedisError):
-            self.sentinel_pool.get_master_address()
+            self.sentinel_pool.get_master_address()  # type: ignore[no-untyped-call] # redis-py
 
     def ask(self, batch: list[tuple[Tally, int, bool]]) -> list[list[int]]:
         args: list[str | int] = [self.worker]
