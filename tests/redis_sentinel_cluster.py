@@ -205,9 +205,21 @@ class SentinelCluster:
         for sentinel in running:
             with sentinel.client() as client:
                 state = client.sentinel_master(SERVICE)
+                replicas = client.sentinel_slaves(SERVICE)
             if state["num-slaves"] != 2 or state["num-other-sentinels"] != 2:
                 return False
             if state["is_sdown"] or state["is_odown"] or state["flags"] != "master":
+                return False
+            # Every Sentinel has seen each replica as one: one that saw a replica still master
+            # (the old master, back) would make it a replica again, in the middle of a planned
+            # failover that promotes it.
+            if any(
+                replica["flags"] != "slave"
+                or replica["role-reported"] != "slave"
+                or replica["master-link-status"] != "ok"
+                or replica["master-port"] != master.port
+                for replica in replicas
+            ):
                 return False
         return True
 
