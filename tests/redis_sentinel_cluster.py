@@ -175,13 +175,15 @@ class SentinelCluster:
         port = self.master_port()
         return next(server for server in self.redis if server.port == port)
 
-    def wait_until_watched(self, timeout: float = 30) -> None:
+    def wait_until_watched(self, settled: bool = False, timeout: float = 30) -> None:
         """Return once every running Sentinel names the same master, which answers as one, and
-        knows the two replicas and the other two Sentinels: a failover can then happen."""
+        knows the two replicas and the other two Sentinels: a failover can then happen. Settled:
+        also once every Sentinel has seen each replica as a replica of that master (its INFO of
+        a replica comes every 10 s), as a planned failover needs (watched(), below)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if self.watched():
+                if self.watched(settled):
                     return
             except redis.RedisError:
                 pass
@@ -192,7 +194,7 @@ class SentinelCluster:
                 )
             time.sleep(0.1)
 
-    def watched(self) -> bool:
+    def watched(self, settled: bool) -> bool:
         running = [s for s in self.sentinels if s.running()]
         ports = {self.master_port(s) for s in running}
         if len(ports) != 1:
@@ -213,7 +215,7 @@ class SentinelCluster:
             # Every Sentinel has seen each replica as one: one that saw a replica still master
             # (the old master, back) would make it a replica again, in the middle of a planned
             # failover that promotes it.
-            if any(
+            if settled and any(
                 replica["flags"] != "slave"
                 or replica["role-reported"] != "slave"
                 or replica["master-link-status"] != "ok"
@@ -222,6 +224,24 @@ class SentinelCluster:
             ):
                 return False
         return True
+
+    def wait_until_replica(self, server: Process, master_port: int, timeout: float = 30) -> None:
+        """Return once `server` follows the master on `master_port`, its copy made."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with server.client() as client:
+                    replication = client.info("replication")
+                if (
+                    replication["role"] == "slave"
+                    and replication["master_port"] == master_port
+                    and replication["master_link_status"] == "up"
+                ):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{server.name} did not follow {master_port} within {timeout}s")
 
     def wait_for_new_master(self, old_port: int, timeout: float = 30) -> int:
         """Return the new master's port once every running Sentinel names one other than

@@ -170,9 +170,8 @@ def admitted_of_one_key(instances, store):
     return statuses.count(200)
 
 
-def lose_master(cluster, how):
+def lose_master(cluster, master, how):
     """Make the master go as `how` says; return what brings it back, as a replica."""
-    master = cluster.master()
     if how == "killed":
         master.kill()
         return master.start
@@ -183,10 +182,12 @@ def lose_master(cluster, how):
     return lambda: None
 
 
-@pytest.mark.parametrize("how", ["killed", "frozen", "switched over"])
+# The planned failover first, on a cluster that has settled since it started (watched()).
+@pytest.mark.parametrize("how", ["switched over", "killed", "frozen"])
 def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances, store, how):
-    cluster.wait_until_watched()
-    old_port = cluster.master_port()
+    cluster.wait_until_watched(settled=how == "switched over")
+    old_master = cluster.master()
+    old_port = old_master.port
     booted = [server.log().count("Worker ready") for server in instances]
     load = Load(instances, new_key(store, "1000000 per minute"))
     try:
@@ -194,7 +195,7 @@ def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances
         wait_until_counting_in(instances, old_port, time.monotonic(), 30)
         apart = seconds_counted_apart(instances)
         lost = time.monotonic()
-        bring_back = lose_master(cluster, how)
+        bring_back = lose_master(cluster, old_master, how)
         new_port = cluster.wait_for_new_master(old_port)
         promoted = time.monotonic() - lost
         counted_in = wait_until_counting_in(instances, new_port, lost, 30)
@@ -213,10 +214,12 @@ def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances
     assert max(seconds for _, _, seconds in answers) < SLOWEST_ANSWER
 
     # The key's limit holds across both instances again: shared, not per worker.
-    assert LIMIT <= admitted_of_one_key(instances, store) <= LIMIT + OVERSHOOT
+    admitted = admitted_of_one_key(instances, store)
+    print(f"after it, a key of {LIMIT} a minute was let make {admitted} of {2 * LIMIT}")
+    assert LIMIT <= admitted <= LIMIT + OVERSHOOT
     # The old master is back as a replica of the new one, and the instances stay with the new
     # one, with no restart of anything.
-    cluster.wait_until_watched()
+    cluster.wait_until_replica(old_master, new_port)
     assert cluster.master_port() == new_port
     for server in instances:
         assert workers_counting_in(server, new_port) == WORKERS
