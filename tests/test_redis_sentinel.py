@@ -8,6 +8,7 @@ import re
 import secrets
 import threading
 import time
+from collections import Counter
 
 import pytest
 import requests
@@ -206,7 +207,8 @@ def test_the_instances_count_in_the_new_master_within_seconds(cluster, instances
     print(
         f"master {how}: promoted after {promoted:.1f}s, every worker counting in it after "
         f"{counted_in:.1f}s, {apart:.1f}s counted apart over the {WORKERS * 2} workers; "
-        f"{len(answers)} answers, the slowest {max(seconds for _, _, seconds in answers):.2f}s"
+        f"answers by status {dict(Counter(status for status, _, _ in answers))}, the slowest "
+        f"{max(seconds for _, _, seconds in answers):.2f}s"
     )
     assert counted_in < COUNTED_IN_WITHIN
     assert answers
