@@ -357,6 +357,7 @@ class RateLimiter:
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
         self.retry_in = self.retry_interval
+        assert self.redis is not None  # contact is made by a sync, with a Redis
         self.counts_in(storage_address(self.redis))
         if self.degraded_since is not None:
             DEGRADED_SECONDS.inc(self.last_contact - self.degraded_since)
@@ -436,10 +437,9 @@ def storage_client(uri: str, options: dict[str, Any]) -> redis.Redis:
     return master
 
 
-def storage_address(client: redis.Redis | None) -> str | None:
+def storage_address(client: redis.Redis) -> str:
     """The address of the Redis a client's connections go to: the master the Sentinels last
     named, else the URL's host and port or socket path."""
-    assert client is not None
     pool = client.connection_pool
     host, port = getattr(pool, "master_address", None) or (
         pool.connection_kwargs.get("host"),
