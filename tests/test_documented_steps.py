@@ -82,7 +82,8 @@ def read(name: str) -> list[str]:
 
 
 def section(lines: list[str], title: str) -> list[str]:
-    """The lines of the one section of `lines` titled `title`, its subsections included."""
+    """The lines of the section of `lines` titled `title` (the shallowest, where subsections share
+    its name), its subsections included."""
     headings = [
         (number, underline[0])
         for number, (line, underline) in enumerate(itertools.pairwise(lines))
@@ -90,6 +91,8 @@ def section(lines: list[str], title: str) -> list[str]:
     ]
     levels = list(dict.fromkeys(character for _, character in headings))
     found = [(number, character) for number, character in headings if lines[number] == title]
+    # The shallowest of its name: High availability's own "Step by step", not Redis Sentinel's.
+    found = [(n, c) for n, c in found if levels.index(c) == min(levels.index(c) for _, c in found)]
     assert len(found) == 1, f"{len(found)} sections titled {title!r}"
     start, character = found[0]
     end = next(

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import requests
-from conftest import Gunicorn
+from conftest import IN_POSTGRESQL_PASS, Gunicorn
 from nginx_server import PROJECT_DIR, free_port
 from redis_sentinel_cluster import REDIS_SENTINEL, REDIS_SERVER, SentinelCluster, sentinel_timings
 from test_rate_limits import bearer
@@ -21,10 +21,13 @@ from animal_store import create_app, default_settings
 from animal_store.access.auth import issue_key
 from animal_store.extensions import db
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SENTINEL is None or REDIS_SERVER is None,
-    reason="redis-server and redis-sentinel are not installed (Debian: redis-sentinel)",
-)
+pytestmark = [
+    IN_POSTGRESQL_PASS,
+    pytest.mark.skipif(
+        REDIS_SENTINEL is None or REDIS_SERVER is None,
+        reason="redis-server and redis-sentinel are not installed (Debian: redis-sentinel)",
+    ),
+]
 
 # What docs/deploy.rst promises: every worker counts in the new master within 10 s of the old
 # one's loss, with the shipped timings.
