@@ -122,7 +122,8 @@ RATELIMIT_ENABLED = True
 # Where the counts live. memory:// counts in each process: exact for the development server, but
 # under gunicorn the effective limit is RATE_LIMIT x workers x instances (the workers warn at
 # boot, /readyz says "per process"). redis://host:6379/0 shares one count among all of them; the
-# production and staging settings use the machine's Redis.
+# production and staging settings use the machine's Redis. redis+sentinel://:password@host:26379,
+# host:26379/service_name counts in the master Redis Sentinels name, and follows a failover.
 RATELIMIT_STORAGE_URI = "memory://"
 # Seconds between a worker's syncs of its counts with Redis (rate_limits.py), each made by the
 # request that finds it due: a key may pass its limit by what it sends to a worker in this long

@@ -8,10 +8,12 @@ settings_reference() renders them (tests/test_settings.py compares the two).
 import dataclasses
 import ipaddress
 import json
+import re
 import textwrap
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
+from urllib.parse import unquote
 
 from limits import parse_many
 from marshmallow import Schema, ValidationError, fields, validates_schema
@@ -24,6 +26,8 @@ from animal_store.contract import BASE_PATH
 # Databases the service runs on, by SQLAlchemy backend: the drivers it ships with.
 DATABASE_DRIVERS = {"sqlite": {"pysqlite"}, "postgresql": {"psycopg"}, "postgres": {"psycopg"}}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Redis Sentinel in RATELIMIT_STORAGE_URI, as `limits` spells it (parse_sentinel_uri).
+SENTINEL_SCHEME = "redis+sentinel"
 # RFC 9110's token: the characters of a header name.
 HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
 
@@ -131,8 +135,55 @@ def unencoded_at(url: str) -> bool:
     return bool(colon) and "@" in password
 
 
+@dataclasses.dataclass(frozen=True)
+class SentinelURI:
+    """Where the Sentinels are, and the master they watch, as RATELIMIT_STORAGE_URI names them."""
+
+    sentinels: list[tuple[str, int]]
+    service_name: str
+    db: int
+    username: str | None
+    password: str | None
+
+
+def parse_sentinel_uri(uri: str) -> SentinelURI:
+    """Read `limits`' spelling of Redis Sentinel,
+    `redis+sentinel://[[user]:password@]host:port[,host:port...]/service_name[/db]`, or raise
+    ValueError: every Sentinel with its port, a service name, a database number or none.
+
+    Our own reading, not `limits`': it takes `service_name/0` for a service named `service_name0`.
+    The password is the Redis' and the Sentinels' both, as `limits` has it."""
+    scheme, separator, rest = uri.partition("://")
+    if scheme != SENTINEL_SCHEME or not separator or "?" in rest or "#" in rest:
+        raise ValueError("not a redis+sentinel:// URL")
+    authority, _, path = rest.partition("/")
+    credentials, at, hosts = authority.rpartition("@")
+    user, colon, password = credentials.partition(":")
+    sentinels = []
+    for host_port in hosts.split(","):
+        host, _, port = host_port.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("each Sentinel is host:port")
+        sentinels.append((host, int(port)))
+    service_name, _, db = path.partition("/")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", service_name):
+        raise ValueError("no service name")
+    if db and not db.isdigit():
+        raise ValueError("the database is a number")
+    return SentinelURI(
+        sentinels,
+        service_name,
+        int(db or 0),
+        unquote(user) or None if at else None,
+        unquote(password) or None if at and colon else None,
+    )
+
+
 def check_redis_or_memory(uri: str) -> None:
-    if uri != "memory://" and not uri.startswith(("redis://", "rediss://", "unix://")):
+    if uri.startswith(SENTINEL_SCHEME + "://"):
+        parse_sentinel_uri(uri)
+    elif uri != "memory://" and not uri.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(uri)
 
 
@@ -368,11 +419,14 @@ class Settings:
     RATELIMIT_STORAGE_URI: str = setting(
         expecting(
             fields.String(validate=validator(check_redis_or_memory, "Not a storage URI.")),
-            "memory:// or a Redis URL (redis://host:6379/0, rediss://..., unix:///path)",
+            "memory://, a Redis URL (redis://host:6379/0, rediss://..., unix:///path) or "
+            "Redis Sentinels (redis+sentinel://:password@host:26379,host:26379/service_name"
+            "[/db])",
         ),
         "Where counts live; ``redis://host:6379/0`` shares them among workers and instances "
-        "(production and staging: the machine's Redis); ``memory://`` counts per process "
-        "(workers warn at boot)",
+        "(production and staging: the machine's Redis); ``redis+sentinel://...`` counts in the "
+        "master the Sentinels name, and follows a failover (`High availability <deploy.rst"
+        "#redis-sentinel>`__); ``memory://`` counts per process (workers warn at boot)",
     )
     RATELIMIT_SYNC_INTERVAL: float = setting(
         seconds(at_least=0),

@@ -26,6 +26,20 @@ from animal_store.extensions import db
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
 
+# A test whose subject is not the database (nginx, gunicorn's side, Redis, Prometheus, a browser)
+# proves the same on either, so it runs in one of the suite's two passes (docs/development.rst),
+# chosen so that CI's passes, which run at once, take about as long: the other pass skips it,
+# saying where it runs. The pass without TEST_DATABASE_URL also runs every test that starts
+# PostgreSQL clusters of its own.
+IN_SQLITE_PASS = pytest.mark.skipif(
+    bool(TEST_DATABASE_URL),
+    reason="not about the database: runs in the pass without TEST_DATABASE_URL",
+)
+IN_POSTGRESQL_PASS = pytest.mark.skipif(
+    not TEST_DATABASE_URL,
+    reason="not about the database: runs in the pass with TEST_DATABASE_URL",
+)
+
 
 def migrate_to_head(database_url):
     app = create_app({"DATABASE_URL": database_url})

@@ -26,6 +26,7 @@ from pgbouncer_server import PGBOUNCER, PgBouncer
 from werkzeug.serving import make_server
 
 from animal_store import default_settings
+from animal_store.data.failover import CONFIRM_EVERY
 from animal_store.extensions import db
 
 # The tests' DATABASE_DEADLINE: short, so that they wait little.
@@ -372,6 +373,29 @@ def test_a_known_key_is_served_while_its_cache_entry_is_fresh_and_no_longer(
     assert get(app, path, auth).status_code == 200  # needs no database
     time.sleep(3.1)
     assert get(app, path, auth).status_code == 503  # the key must be checked again
+
+
+def test_a_kept_read_is_answered_for_at_most_a_second_once_the_database_stops(
+    make_app, auth, cluster
+):
+    # docs/deploy.rst, High availability: reads are not spared by a failover. A worker answers
+    # from what it kept for at most CONFIRM_EVERY (a second) after the database stops
+    # answering, however fresh the key's cache entry, then with the JSON 503 as creations.
+    app = make_app(DATABASE_DEADLINE=1)
+    pet = app.test_client().post("/v1/pets", headers=auth, json={"name": "Rex", "categoryId": 1})
+    path = f"/v1/pets/{pet.get_json()['id']}"
+    assert get(app, path, auth).status_code == 200  # the answer is kept, the key cached
+    cluster.freeze()
+    frozen = time.monotonic()
+    answers = []  # (seconds after the freeze the request was sent, its status)
+    while not answers or answers[-1][1] == 200:
+        assert time.monotonic() - frozen < CONFIRM_EVERY + SLACK, answers
+        answers.append((time.monotonic() - frozen, get(app, path, auth).status_code))
+        time.sleep(0.05)
+    kept = [round(sent, 2) for sent, status in answers if status == 200]
+    print(f"kept read answered 200 when sent at {kept} s, 503 at {answers[-1][0]:.2f} s")
+    assert answers[-1][1] == 503, answers
+    assert all(sent < CONFIRM_EVERY for sent in kept), answers
 
 
 def test_outside_a_request_the_database_has_no_deadline(make_app):

@@ -4,7 +4,10 @@ from another host, and "try it out" working with a key."""
 from urllib.parse import urlsplit
 
 import requests
+from conftest import IN_SQLITE_PASS
 from playwright.sync_api import expect
+
+pytestmark = IN_SQLITE_PASS
 
 
 def test_docs_page_shows_the_operations_and_tries_one_offline(

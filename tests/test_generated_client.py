@@ -13,15 +13,19 @@ import sys
 import textwrap
 
 import pytest
+from conftest import IN_POSTGRESQL_PASS
 
 from animal_store import create_app
 from animal_store.extensions import db
 
 # Checked without importing it: the generator runs in child processes only.
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("openapi_python_client") is None,
-    reason="openapi-python-client is not installed (pip install -e '.[test]')",
-)
+pytestmark = [
+    IN_POSTGRESQL_PASS,
+    pytest.mark.skipif(
+        importlib.util.find_spec("openapi_python_client") is None,
+        reason="openapi-python-client is not installed (pip install -e '.[test]')",
+    ),
+]
 
 PACKAGE = "animal_store_client"
 PET_STATUS = f"{PACKAGE}.models.pet_status.PetStatus"

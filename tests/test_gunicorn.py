@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gunicorn
 import pytest
 import requests
-from conftest import PROJECT_DIR, break_release, copy_release, free_port
+from conftest import IN_POSTGRESQL_PASS, PROJECT_DIR, break_release, copy_release, free_port
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
 GUNICORN = (sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app")
@@ -71,6 +71,7 @@ def test_writes_from_several_workers_all_land(start_gunicorn, api_key, count_pet
     assert count_pets() == 200
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_command_line_workers_override_the_config(start_gunicorn):
     server = start_gunicorn(workers=3)
     # Serving means one worker is up; the others may still be forking.
@@ -149,6 +150,7 @@ def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
     assert list(home.iterdir()) == []
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
     start_gunicorn, api_key, slow_insert
 ):

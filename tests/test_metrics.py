@@ -10,10 +10,13 @@ import time
 
 import pytest
 import requests
+from conftest import IN_SQLITE_PASS
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 from animal_store.observability.metrics import DURATION_BUCKETS, SeriesCounts, request_metrics
+
+pytestmark = IN_SQLITE_PASS
 
 # Every answer written to the worker's files at once: a scrape right after counts it.
 WRITTEN_AT_ONCE = {"ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0"}

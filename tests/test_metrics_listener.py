@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import PROJECT_DIR, free_port
+from conftest import IN_SQLITE_PASS, PROJECT_DIR, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from animal_store.version import VERSION
+
+pytestmark = IN_SQLITE_PASS
 
 BACKLOG = int(
     re.search(

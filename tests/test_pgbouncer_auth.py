@@ -83,23 +83,32 @@ class Shell:
         assert shown.strip() == str(cluster.port), "psql reached another server than the test's"
 
     def run(self, commands: str) -> str:
+        """Run `commands`, stopping at the first that fails (which fails the test); return
+        what they printed."""
+        result = self.paste(commands, "-e")
+        assert result.returncode == 0, f"{result.args}\n{result.stdout}{result.stderr}"
+        return result.stdout
+
+    def paste(self, commands: str, *options: str) -> subprocess.CompletedProcess:
+        """Run `commands` as pasted into root's shell: each whatever the ones before it did
+        (unless `options` say otherwise), with no terminal to ask a password from (a new
+        session: a command that wants one reads /dev/tty and fails, not wait at the test's)."""
         commands = commands.replace("/root/", f"{self.directory}/")
         commands = commands.replace("/etc/pgbouncer/", f"{self.directory}/")
         commands = commands.replace("/srv/animal-store/", f"{PROJECT_DIR}/")
         assert not re.search(r"(^|\s)(-h|--host|-p|--port)\b", commands), commands
         if os.geteuid() != 0:
             commands = commands.replace("runuser -u postgres -- ", "")
-        result = subprocess.run(
-            ["bash", "-e"],
-            input=commands,
+        return subprocess.run(
+            ["bash", *options, "-c", commands],
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             env=self.env,
             cwd=self.directory,
             timeout=60,
+            start_new_session=True,
         )
-        assert result.returncode == 0, f"{commands}\n{result.stdout}{result.stderr}"
-        return result.stdout
 
 
 class DocumentedPgBouncer:

@@ -4,6 +4,9 @@ import json
 
 import pytest
 import requests
+from conftest import IN_SQLITE_PASS
+
+pytestmark = IN_SQLITE_PASS
 
 # What a client reaching gunicorn directly could send to choose the URLs and address the app uses.
 SPOOFED = {

@@ -9,10 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 import requests
-from conftest import free_port
+from conftest import IN_SQLITE_PASS, free_port
 
 from animal_store import create_app
 from animal_store.extensions import db
+
+pytestmark = IN_SQLITE_PASS
 
 
 def bearer(key):

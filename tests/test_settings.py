@@ -17,7 +17,13 @@ from conftest import PROJECT_DIR
 from animal_store import contract, create_app, default_settings, settings_schema
 from animal_store.extensions import db
 from animal_store.settings import SettingsError
-from animal_store.settings_schema import SETTING_FIELDS, expected, settings_reference
+from animal_store.settings_schema import (
+    SETTING_FIELDS,
+    SentinelURI,
+    expected,
+    parse_sentinel_uri,
+    settings_reference,
+)
 
 DEFAULTS = {name: getattr(default_settings, name) for name in SETTING_FIELDS}
 DOCS = PROJECT_DIR / "docs" / "configuration.rst"
@@ -208,6 +214,13 @@ BAD_VALUES = [
     ("RATELIMIT_ENABLED", '"off"'),
     ("RATELIMIT_STORAGE_URI", "127.0.0.1:6379"),
     ("RATELIMIT_STORAGE_URI", "http://redis.example:6379/0"),
+    # Redis Sentinel: no service name, a Sentinel without its port, a port that is no number,
+    # a database that is no number, no Sentinel at all.
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379,10.0.0.6:26379"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379,10.0.0.6/animal-store"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:sentinel/animal-store"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel://10.0.0.5:26379/animal-store/zero"),
+    ("RATELIMIT_STORAGE_URI", "redis+sentinel:///animal-store"),
     ("RATELIMIT_SYNC_INTERVAL", "-1"),
     ("RATELIMIT_RETRY_INTERVAL", "0"),
     ("RATELIMIT_STORAGE_OPTIONS", "socket_timeout=1"),
@@ -254,6 +267,12 @@ def test_a_bad_setting_from_the_environment_stops_the_boot_in_one_line(
         ({"MAX_CONTENT_LENGTH": "64k"}, "Setting MAX_CONTENT_LENGTH from test_config is '64k'"),
         ({"KEY_CACHE_SECONDS": -1}, "Setting KEY_CACHE_SECONDS from test_config is -1"),
         ({"RATELIMIT_ENABLED": "False"}, "Setting RATELIMIT_ENABLED from test_config is 'False'"),
+        # A Sentinel without its port: the URL shown, its password never.
+        (
+            {"RATELIMIT_STORAGE_URI": "redis+sentinel://:hunter2@10.0.0.5:26379,10.0.0.6/x"},
+            "Setting RATELIMIT_STORAGE_URI from test_config is "
+            "'redis+sentinel://:***@10.0.0.5:26379,10.0.0.6/x': expected ",
+        ),
         (
             {"OPENAPI_SERVERS": [{"url": "https://pets.example.net/api"}]},
             "Setting OPENAPI_SERVERS from test_config is [{'url': 'https://pets.example.net/api'}]",
@@ -415,3 +434,30 @@ def test_the_settings_declarations_import_nothing_they_configure():
     }
     below = ast.parse(Path(contract.__file__).read_text())
     assert not [node for node in ast.walk(below) if isinstance(node, ast.Import | ast.ImportFrom)]
+
+
+@pytest.mark.parametrize(
+    ("uri", "read"),
+    [
+        (
+            "redis+sentinel://:pass%40word@10.0.0.5:26379,10.0.0.6:26379,[::1]:26379/animal-store",
+            SentinelURI(
+                [("10.0.0.5", 26379), ("10.0.0.6", 26379), ("::1", 26379)],
+                "animal-store",
+                0,
+                None,
+                "pass@word",
+            ),
+        ),
+        (
+            "redis+sentinel://store:secret@db1:26379/animal-store/2",
+            SentinelURI([("db1", 26379)], "animal-store", 2, "store", "secret"),
+        ),
+        (
+            "redis+sentinel://db1:26379/animal-store",
+            SentinelURI([("db1", 26379)], "animal-store", 0, None, None),
+        ),
+    ],
+)
+def test_a_sentinel_url_is_read_as_limits_spells_it(uri, read):
+    assert parse_sentinel_uri(uri) == read

@@ -17,10 +17,13 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from conftest import TEST_DATABASE_URL
+from conftest import IN_POSTGRESQL_PASS
 from nginx_server import NGINX, SHIPPED_CONFIG, free_port
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)")
+pytestmark = [
+    IN_POSTGRESQL_PASS,
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)"),
+]
 
 # Debian's package installs the script as `testssl`; upstream's checkout names it testssl.sh.
 TESTSSL = shutil.which("testssl.sh") or shutil.which("testssl")
@@ -314,12 +317,6 @@ def test_tls12_sessions_get_no_ticket_and_resume_from_the_cache(start_nginx, tls
 
 
 @pytest.mark.skipif(TESTSSL is None, reason="testssl.sh is not installed (Debian: testssl.sh)")
-@pytest.mark.skipif(
-    not TEST_DATABASE_URL,
-    reason="runs in the pass with TEST_DATABASE_URL: the scan is of nginx's TLS, the same on "
-    "either database, and takes the better part of a minute; the pass without it runs the tests "
-    "that start PostgreSQL clusters of their own, and was the longer of the two by minutes",
-)
 def test_testssl_finds_nothing_low_or_worse(module_gunicorn, start_nginx, tmp_path):
     """testssl.sh on nginx from the shipped file, the app behind it: no finding of severity LOW
     or worse but the exempt ones (EXEMPT, the certificate's), no version in the Server banner and

@@ -13,12 +13,14 @@ import threading
 import time
 
 import pytest
-from conftest import Gunicorn
+from conftest import IN_SQLITE_PASS, Gunicorn
 
 from animal_store import errors
 from animal_store.access.auth import issue_key
 from animal_store.default_settings import MAX_CONTENT_LENGTH
 from animal_store.extensions import db
+
+pytestmark = IN_SQLITE_PASS
 
 # Short enough for the test, long enough that no busy machine's pause reads as a stalled client.
 BODY_TIMEOUT = 1

@@ -35,12 +35,20 @@ timeout. The log says so once, /readyz says so while it lasts (counting()), and 
 that succeeds adds the hits counted meanwhile to the windows still open. memory:// counts in each
 process only: exact for the development server, the limit times the workers under gunicorn.
 
+redis+sentinel:// counts in the master Redis Sentinels name (storage_client()): each connection
+asks them, and one that fails or finds its Redis demoted is closed, so the breaker's next try
+finds the new master; its tries double up to 2 s only, so a failover is followed within seconds.
+A sync also asks the Sentinels once a second (follow_master()): a planned failover leaves the old
+master answering, and taking counts no other worker reads, until Sentinel demotes it. STORAGE
+says which Redis the workers count in.
+
 Why our own counter rather than `limits`' storages (which this module used, after Flask-Limiter):
 they count on the request path, a round trip per request, a tenth of a worker's CPU, and with
 Redis hung every request waited out the socket timeout (issue "Degrade, don't stall"). `limits`
 still parses the limits and names the windows.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -48,19 +56,20 @@ import secrets
 import socket
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 from cachetools import TLRUCache
 from flask import Flask
 from limits import RateLimitItem, parse_many
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from animal_store import errors
 from animal_store.extensions import settings
-from animal_store.settings_schema import Settings
+from animal_store.settings_schema import SENTINEL_SCHEME, Settings, parse_sentinel_uri
 
 # What /readyz says of the counts (counting()).
 SHARED, PER_PROCESS, UNREACHABLE, OFF = "shared", "per process", "storage unreachable", "off"
@@ -70,6 +79,14 @@ KEY_PREFIX = "animal-store"
 KNOWN_WINDOWS = 10_000
 # The breaker's retry interval doubles from RATELIMIT_RETRY_INTERVAL up to this (seconds).
 MAX_RETRY_INTERVAL = 4.0
+# Through Sentinels, up to this: a failover is what the breaker waits for, and the new master
+# must be counted in within the 10 s docs/deploy.rst promises (the shipped Sentinels promote one
+# about 4 s after the master stops answering). A try costs what it does with one Redis.
+SENTINEL_MAX_RETRY_INTERVAL = 2.0
+# Through Sentinels, a worker asks them which Redis is master at most this often (seconds), at a
+# sync: on a planned failover the old master takes writes until Sentinel demotes it, 8 s or more
+# after the new one is promoted, and a worker's connection to it would count there meanwhile.
+MASTER_CHECK_INTERVAL = 1.0
 # /readyz trusts a sync this recent to tell that Redis answers; after a longer silence it asks.
 HEALTH_INTERVAL = 1.0
 
@@ -85,6 +102,16 @@ DEGRADED_SECONDS = Counter(
     "animal_store_rate_limit_degraded_seconds",
     "Seconds the workers counted rate limits apart because Redis did not answer, summed over "
     "the workers.",
+)
+# The workers counting in each Redis, by address (host:port, or a Unix socket's path): each live
+# worker is 1 where it last synced, 0 where it synced before or while it counts apart. A failover
+# moves them all to the new master's address; none while Redis does not answer.
+STORAGE = Gauge(
+    "animal_store_rate_limit_storage_workers",
+    "Workers counting rate limits in each Redis, by address: where they last synced (a failover "
+    "moves them to the new master; 0 everywhere while they count apart).",
+    ["address"],
+    multiprocess_mode="livesum",
 )
 
 # One round trip for all of a worker's windows. Each window is a hash of what each worker counted
@@ -177,14 +204,16 @@ class RateLimiter:
         self.sync_interval = float(config.RATELIMIT_SYNC_INTERVAL)
         self.retry_interval = self.retry_in = float(config.RATELIMIT_RETRY_INTERVAL)
         self.redis: redis.Redis | None = None
+        self.max_retry_in = max(MAX_RETRY_INTERVAL, self.retry_interval)
+        # Through Sentinels: their pool, and when (time.monotonic()) a sync next asks them.
+        self.sentinel_pool: SentinelConnectionPool | None = None
+        self.next_master_check = 0.0
         if self.enabled and self.uri != "memory://":
-            # Connects on first use, in the worker: a Redis that is down never stops the boot.
-            # No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker
-            # is the retry, and theirs would multiply the wait of a request.
-            self.redis = redis.Redis.from_url(
-                self.uri, retry=Retry(NoBackoff(), 0), **config.RATELIMIT_STORAGE_OPTIONS
-            )
+            self.redis = storage_client(self.uri, config.RATELIMIT_STORAGE_OPTIONS)
             self.script = self.redis.register_script(SYNC_SCRIPT)
+            if isinstance(self.redis.connection_pool, SentinelConnectionPool):
+                self.sentinel_pool = self.redis.connection_pool
+                self.max_retry_in = max(SENTINEL_MAX_RETRY_INTERVAL, self.retry_interval)
         # A limit's text parsed once: a key's limit is read on every request.
         self.parsed: dict[str, list[RateLimitItem]] = {}
         # Each open window's tally by (budget, limit), until the window ends (cachetools).
@@ -201,6 +230,8 @@ class RateLimiter:
         # This process, and its name in the windows' hashes: both set at its first sync.
         self.pid: int | None = None
         self.worker = ""
+        # The Redis this worker last synced with (STORAGE), None while it counts apart.
+        self.storage_address: str | None = None
 
     def count(self, budget: str, limit: str | None) -> Window | None:
         """Count a request against the budget's limit (None: RATE_LIMIT), or against each of
@@ -279,6 +310,8 @@ class RateLimiter:
                     for tally in self.tallies.values()
                     if tally.mine > tally.synced or 2 * tally.count >= tally.limit.amount
                 ]
+            if self.sentinel_pool is not None and started >= self.next_master_check:
+                self.follow_master(started)
             try:
                 if batch:
                     answers = self.ask(batch)
@@ -302,6 +335,16 @@ class RateLimiter:
         finally:
             self.sync_lock.release()
 
+    def follow_master(self, now: float) -> None:
+        """Ask the Sentinels which Redis is master; when another than this worker's connection
+        goes to, redis-py closes it, and this sync connects to the new one."""
+        assert self.sentinel_pool is not None
+        self.next_master_check = now + MASTER_CHECK_INTERVAL
+        # No Sentinel answers, or none names a master that is up: the connection's Redis may
+        # still answer, and the sync tells.
+        with contextlib.suppress(redis.RedisError):
+            self.sentinel_pool.get_master_address()  # type: ignore[no-untyped-call] # redis-py
+
     def ask(self, batch: list[tuple[Tally, int, bool]]) -> list[list[int]]:
         args: list[str | int] = [self.worker]
         for tally, mine, news in batch:
@@ -314,6 +357,8 @@ class RateLimiter:
     def made_contact(self) -> None:
         self.last_contact = time.monotonic()
         self.retry_in = self.retry_interval
+        assert self.redis is not None  # contact is made by a sync, with a Redis
+        self.counts_in(storage_address(self.redis))
         if self.degraded_since is not None:
             DEGRADED_SECONDS.inc(self.last_contact - self.degraded_since)
             self.degraded_since = None
@@ -325,7 +370,8 @@ class RateLimiter:
         # costs a worker ever less, and one that answers again is found within that.
         now = time.monotonic()
         self.next_sync = now + self.retry_in
-        self.retry_in = min(2 * self.retry_in, max(MAX_RETRY_INTERVAL, self.retry_interval))
+        self.retry_in = min(2 * self.retry_in, self.max_retry_in)
+        self.counts_in(None)
         if self.degraded_since is None:
             self.logger.error(
                 "Rate limit storage failed; each worker counts alone until it answers: %s", error
@@ -333,6 +379,17 @@ class RateLimiter:
             self.degraded_since = started
         DEGRADED_SECONDS.inc(now - self.degraded_since)
         self.degraded_since = now
+
+    def counts_in(self, address: str | None) -> None:
+        """Say in STORAGE which Redis this worker counts in: a change at a failover, at a loss
+        of contact and at its end, else nothing (a sync's cost is a comparison)."""
+        if address == self.storage_address:
+            return
+        if self.storage_address is not None:
+            STORAGE.labels(self.storage_address).set(0)
+        if address is not None:
+            STORAGE.labels(address).set(1)
+        self.storage_address = address
 
     def state(self) -> str:
         """Say how the limits are counted now: shared, per process, storage unreachable or off;
@@ -348,6 +405,49 @@ class RateLimiter:
         elif self.last_contact is None or now - self.last_contact >= HEALTH_INTERVAL:
             self.sync()
         return UNREACHABLE if self.degraded_since is not None else SHARED
+
+
+def storage_client(uri: str, options: dict[str, Any]) -> redis.Redis:
+    """Make the client of RATELIMIT_STORAGE_URI: one Redis, or the master Redis Sentinels name.
+
+    It connects on first use, in the worker: a Redis or Sentinels that are down never stop the
+    boot. No retries of redis-py's own (by default 3, backing off up to 10 s): the breaker is the
+    retry, and theirs would multiply the wait of a request.
+
+    Through Sentinels, every connection the pool opens asks them for the master first (the one
+    that answered first asked next time), and a connection whose Redis fails or turns replica
+    (Sentinel kills its clients on a failover; a write to a replica is refused) is closed: the
+    breaker's next try asks the Sentinels again. The options (timeouts) hold for the Sentinels
+    and the master alike, so a hung Sentinel costs a try its socket timeout, as a hung master
+    does. A connection that lives, lives on the master: the request path is the same as with
+    one Redis."""
+    no_retries = Retry(NoBackoff(), 0)
+    if not uri.startswith(SENTINEL_SCHEME + "://"):
+        return redis.Redis.from_url(uri, retry=no_retries, **options)
+    where = parse_sentinel_uri(uri)
+    # The URL's password is the Sentinels' and the Redis', as `limits` has it.
+    options = {"username": where.username, "password": where.password, **options}
+    # redis-py's Sentinel is untyped.
+    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        where.sentinels, sentinel_kwargs={**options, "retry": no_retries}
+    )
+    master: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+        where.service_name, db=where.db, retry=no_retries, **options
+    )
+    return master
+
+
+def storage_address(client: redis.Redis) -> str:
+    """The address of the Redis a client's connections go to: the master the Sentinels last
+    named, else the URL's host and port or socket path."""
+    pool = client.connection_pool
+    host, port = getattr(pool, "master_address", None) or (
+        pool.connection_kwargs.get("host"),
+        pool.connection_kwargs.get("port"),
+    )
+    if host is None:
+        return str(pool.connection_kwargs.get("path"))
+    return f"{host}:{port}"
 
 
 def window_end(_key: tuple[str, RateLimitItem], tally: Tally, _now: float) -> float:

@@ -253,11 +253,11 @@ def abandoned(req: "Request", client: socket.socket) -> bool:
     stamps on each, config/nginx.conf) is taken for gone: nginx never shuts down its side of a
     connection whose answer it awaits, while a client that reaches gunicorn directly may, after
     its request, and is answered."""
+    if not any(name == "X-REQUEST-START" for name, _ in req.headers):
+        return False  # (asked first: a look at the headers costs less than a system call)
     poller = select.poll()
     poller.register(client, select.POLLRDHUP)  # POLLHUP and POLLERR (a reset) come unasked
-    if not poller.poll(0):
-        return False
-    return any(name == "X-REQUEST-START" for name, _ in req.headers)
+    return bool(poller.poll(0))
 
 
 def nothing_left_to_read(req: "Request", client: socket.socket) -> bool:
