@@ -6,10 +6,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-from conftest import IN_POSTGRESQL_PASS
+from conftest import IN_SQLITE_PASS
 from declared import LAYER_PATHS, sample_url
 
-pytestmark = IN_POSTGRESQL_PASS
+pytestmark = IN_SQLITE_PASS
 
 SHOP = "https://shop.example"
 ASKED_HEADERS = "authorization, content-type, idempotency-key, if-none-match"
