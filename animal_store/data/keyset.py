@@ -109,11 +109,12 @@ END $$
 # What a page asks when a row lies above what its app knows is settled (store.read_page).
 SETTLED_TO = sa.text("SELECT keyset_settled_to(CAST(:ids AS regclass), :marks)")
 # The same question with where the primary's WAL stood once it was answered (standbys.py): a
-# standby that has replayed that far holds every row up to the answer that was committed. In
-# its own statement after the answer (OFFSET 0 keeps the subquery from being merged in): a
-# writer of such a row inserted its commit record before it released its mark, so below the
-# position read afterwards. The insert position, not the write position: under
-# synchronous_commit=off a commit returns, and releases its mark, before its record is written.
+# standby that has replayed that far holds every row up to the answer that was committed. The
+# position is read after the answer: OFFSET 0 keeps the subquery a node of its own, whose row
+# comes before the outer list is computed. A writer of such a row inserted its commit record
+# before it released its mark, so below the position read afterwards. The insert position, not
+# the write position: under synchronous_commit=off a commit returns, and releases its mark,
+# before its record is written.
 SETTLED_AT = sa.text(
     "SELECT settled, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "
     "(SELECT keyset_settled_to(CAST(:ids AS regclass), :marks) AS settled OFFSET 0) AS asked"
@@ -251,9 +252,14 @@ def ask_settled_to(connection: sa.Connection, table: sa.Table) -> int:
     answer: int = connection.execute(
         SETTLED_TO, {"ids": sequence(table.name), "marks": marks(table.name)}
     ).scalar_one()
+    return keep(table.name, answer)
+
+
+def keep(table: str, answer: int) -> int:
+    """Keep an answer for the app's later pages; return the highest it was given."""
     answers: dict[str, int] = current_app.extensions.setdefault(ANSWERS, {})
     # Two threads may store at once: a lower answer that wins only asks again sooner.
-    highest = answers[table.name] = max(answer, known(table.name))
+    highest = answers[table] = max(answer, known(table))
     return highest
 
 
@@ -281,8 +287,7 @@ def ask_position(connection: sa.Connection, table: sa.Table) -> tuple[int, int]:
     # does not hold. Two threads may store at once: a lower pair that wins only asks sooner.
     if answer >= positions.get(table.name, (0, 0))[0]:
         positions[table.name] = (answer, position)
-    answers: dict[str, int] = current_app.extensions.setdefault(ANSWERS, {})
-    answers[table.name] = max(answer, known(table.name))
+    keep(table.name, answer)
     return answer, position
 
 
