@@ -9,16 +9,21 @@ once). Where a read went is read on the servers themselves: each logs its statem
 (log_statement=all), and a test counts the checks and the reads of the pets table in each log. A
 test of routing that could not tell would prove nothing.
 
-Two apps on test clients stand for two instances: a gunicorn each would add seconds of boots to
-a CI run over its budget, and nothing of a read's routing is shared between processes. So these
-run in the pass without TEST_DATABASE_URL.
+One test runs clients through two gunicorn instances under load while standbys are stopped,
+frozen and promoted; the others, each one scenario, run apps on test clients (two apps stand for
+two instances: nothing of a read's routing is shared between processes), which spares CI a
+gunicorn's boots each. They run in the pass without TEST_DATABASE_URL (clusters of their own).
 """
 
+import re
 import secrets
+import threading
 import time
+from collections import Counter
 
 import pytest
-from conftest import migrate_to_head, start_own_cluster
+import requests
+from conftest import Gunicorn, migrate_to_head, start_own_cluster
 from prometheus_client import REGISTRY
 
 from animal_store import create_app
@@ -145,31 +150,187 @@ def sent_back(reason):
     )
 
 
-def test_clients_read_their_own_creations_through_either_instance(cluster, make_app, make_auth):
-    # One instance reads from the standby that keeps up, the other from the one DELAY s behind:
-    # each client creates through one and at once reads by id and lists through the other.
-    fresh, delayed = make_app(cluster["fresh"]), make_app(cluster["delayed"])
-    clients = (fresh.test_client(), delayed.test_client())
-    logs = {name: Log(cluster[name]) for name in ("primary", "fresh", "delayed")}
-    on_primary = reads("primary")
-    missing = not_found = 0
-    for round_ in range(12):
-        auth = make_auth(f"client{round_}")
-        writer, reader = clients[round_ % 2], clients[1 - round_ % 2]
-        pet_id = create(writer, auth)
-        got = reader.get(f"/v1/pets/{pet_id}", headers=auth)
-        not_found += got.status_code == 404
-        listed = reader.get("/v1/pets?limit=100", headers=auth)
-        missing += pet_id not in {pet["id"] for pet in listed.get_json()}
-    assert (missing, not_found) == (0, 0)
-    # Reads did go to the standby that keeps up (most: one may come before it has replayed the
-    # creation, and go to the primary); the delayed one's went to the primary, which ran them:
-    # the animal not found there, the list's last page short of the primary's position (or the
-    # standby's lag unknown: it has replayed no commit since it started).
-    assert logs["fresh"].count(PETS_READ) >= 3
-    assert logs["delayed"].count(CHECK) >= 1
-    assert logs["primary"].count(PETS_READ) >= 12
-    assert reads("primary") - on_primary >= 12
+class Clients:
+    """Clients, each with a key of its own, that create through one gunicorn instance and at
+    once read the animal back by id and list it through the other, round after round, until
+    stopped. Every answer is kept; a read that misses the client's own creation, a 404 for it,
+    or a body that is not what was created is counted. Each list is a tail walk: the page the
+    client's last walk ended on, asked again, and its next pages, so every walk's ids can be
+    held to the primary's at the end."""
+
+    def __init__(self, instances, auths):
+        self.instances = instances
+        self.auths = auths
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.statuses = Counter()
+        self.failures = []
+        self.shown = {}  # id: name, as each read showed it
+        self.walks = []  # each walk's ids, in order
+        self.rounds = 0
+        self.threads = [
+            threading.Thread(target=self.run, args=(n,), daemon=True) for n in range(len(auths))
+        ]
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def answer(self, response):
+        """Count the answer; return it if 2xx, else None (a 503 must say when to retry)."""
+        with self.lock:
+            self.statuses[response.status_code] += 1
+            if response.status_code >= 300 and not (
+                response.status_code == 503
+                and response.headers.get("Retry-After")
+                and response.json().get("code")
+            ):
+                self.failures.append((response.status_code, response.text[:200]))
+        return response if response.status_code < 300 else None
+
+    def run(self, n):
+        auth = self.auths[n]
+        writer, reader = self.instances[n % 2].url, self.instances[1 - n % 2].url
+        tail = f"{reader}/v1/pets?limit=20"
+        with requests.Session() as session:
+            while not self.stopping.is_set():
+                name = f"client{n}-{secrets.token_hex(4)}"
+                created = self.answer(
+                    session.post(
+                        f"{writer}/v1/pets",
+                        json={"name": name, "categoryId": 1},
+                        headers=auth,
+                        timeout=30,
+                    )
+                )
+                if created is None:
+                    continue
+                pet_id = created.json()["id"]
+                # A 404 for it is a failure (answer()), as is another animal's body.
+                got = self.answer(
+                    session.get(f"{reader}/v1/pets/{pet_id}", headers=auth, timeout=30)
+                )
+                if got is not None and got.json()["name"] != name:
+                    self.failures.append(("by id", pet_id, got.text[:200]))
+                ids, url = [], tail
+                while url:
+                    page = self.answer(session.get(url, headers=auth, timeout=30))
+                    if page is None:
+                        break
+                    with self.lock:
+                        self.shown.update((pet["id"], pet["name"]) for pet in page.json())
+                    ids += [pet["id"] for pet in page.json()]
+                    url = page.links.get("next", {}).get("url")
+                    if url is None:
+                        tail = page.url
+                with self.lock:
+                    if url is None and pet_id not in ids:
+                        self.failures.append(("missing from the list", pet_id, ids[-5:]))
+                    self.walks.append(ids)
+                    self.rounds += 1
+
+    def wait_for_rounds(self, count, timeout=60):
+        wanted = self.rounds + count
+        deadline = time.monotonic() + timeout
+        while self.rounds < wanted:
+            assert time.monotonic() < deadline, f"{self.rounds} rounds; {self.failures[:3]}"
+            time.sleep(0.05)
+
+
+def standby_reads(instances):
+    return sum(
+        metric(server, 'animal_store_database_reads_total{server="standby"}')
+        for server in instances
+    )
+
+
+def metric(server, series):
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(found[1]) if found else 0.0
+
+
+def test_through_two_instances_clients_read_their_own_writes_while_standbys_fail(
+    cluster, make_auth, tmp_path
+):
+    # Two gunicorn instances, each reading from two standbys in libpq's host list, in order: the
+    # first that is a standby and answers, the next otherwise (target_session_attrs). One reads
+    # from a spare standby, then the one that keeps up; the other from the one that keeps up,
+    # then the one DELAY s behind. Four clients create through one and read through the other,
+    # while the spare is frozen and then promoted, and the one that keeps up stopped.
+    spare = cluster["primary"].standby()
+    instances = []
+    try:
+        for first, second in ((spare, cluster["fresh"]), (cluster["fresh"], cluster["delayed"])):
+            env = {
+                "DATABASE_READ_URL": f"postgresql://postgres@{first.host_port},"
+                f"{second.host_port}/store?target_session_attrs=standby",
+                "ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0",
+                "ANIMAL_STORE_ANSWER_CACHE_BYTES": "0",  # every read reaches a server
+            }
+            log = tmp_path / f"gunicorn-{len(instances)}.log"
+            instances.append(Gunicorn(cluster["url"], 2, env, log))
+        for server in instances:
+            server.wait_until_serving()
+        logs = {name: Log(cluster[name]) for name in ("primary", "fresh", "delayed")}
+        logs["spare"] = Log(spare)
+        with Clients(instances, [make_auth(f"client{n}") for n in range(4)]) as clients:
+            clients.wait_for_rounds(20)
+            on_standbys = standby_reads(instances)
+            assert on_standbys > 0
+            for name in ("fresh", "spare"):
+                assert logs[name].count(PETS_READ) >= 1, name
+            # Stopped: the standby that both instances read from.
+            cluster["fresh"].kill()
+            clients.wait_for_rounds(8)
+            cluster["fresh"].start()
+            cluster["primary"].wait_for_streaming(cluster["fresh"])
+            # Frozen, for longer than a read's share of its deadline.
+            spare.freeze()
+            clients.wait_for_rounds(8)
+            spare.thaw()
+            # Promoted: a primary now, beside the true one; its reads must stop.
+            spare.promote()
+            time.sleep(standbys_module.CHECK_EVERY)
+            promoted = Log(spare)
+            # Reads back on the standbys once they are healthy, and the pause after a failure
+            # (RETRY_INTERVAL) over: on the one that was stopped.
+            time.sleep(standbys_module.RETRY_INTERVAL)
+            fresh_again, back = Log(cluster["fresh"]), standby_reads(instances)
+            clients.wait_for_rounds(10)
+            deadline = time.monotonic() + 20
+            while standby_reads(instances) == back:
+                assert time.monotonic() < deadline, "no read on a standby after the faults"
+                time.sleep(0.1)
+            assert fresh_again.count(PETS_READ) >= 1
+            assert promoted.count(PETS_READ) == 0
+    finally:
+        for server in instances:
+            server.stop()
+        cluster["primary"].standbys.remove(spare)
+        spare.stop()
+    assert clients.failures == []
+    assert set(clients.statuses) <= {200, 201, 503}, clients.statuses
+    # Nothing stale: every animal shown is the primary's, and every walk shows every animal
+    # the primary has between its first and its last, in order.
+    stored = dict(
+        tuple(row.split("|"))
+        for row in cluster["primary"].sql("SELECT id, name FROM pets", "store").split()
+    )
+    stored = {int(pet_id): name for pet_id, name in stored.items()}
+    assert {pet_id: stored.get(pet_id) for pet_id in clients.shown} == clients.shown
+    ids = sorted(stored)
+    for walked in clients.walks:
+        if walked:
+            expected = [i for i in ids if walked[0] <= i <= walked[-1]]
+            assert walked == expected, (walked, expected)
+    print(f"\n{clients.rounds} rounds, answers {dict(clients.statuses)}")
 
 
 def test_walks_across_standbys_of_different_lags_are_exact(cluster, make_app, make_auth):
