@@ -108,6 +108,15 @@ def test_a_scrape_counts_exactly_what_two_workers_answered(
         status_class="2xx",
     )
     assert list_200 == 5 + 2  # the limited key's two answered lists
+    # The 13 answered reads reached the primary, all but those a worker's kept answers served
+    # (answers.py): at least the 404s and the limited key's last pages, never kept. No standby
+    # is configured: no series of theirs, and nothing sent back from one.
+    assert 4 <= count(samples, "animal_store_database_reads_total", server="primary") <= 13
+    assert ("animal_store_database_reads_total", (("server", "standby"),)) not in samples
+    for reason in ("walk", "lag", "promoted", "down", "not_found"):
+        assert (
+            count(samples, "animal_store_database_reads_sent_to_primary_total", reason=reason) == 0
+        )
     assert count(samples, "animal_store_processes") == 3  # the master and two workers
     assert count(samples, "process_resident_memory_bytes") > 0
     # The scrape is counted by the next one.

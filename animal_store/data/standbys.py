@@ -177,6 +177,12 @@ def sent_back(reason: str) -> None:
     g.database_read = reason
 
 
+def read_on_primary() -> None:
+    """Note, for the metrics (metrics.py), that the primary served a read, unless the reason a
+    standby did not is noted already."""
+    g.setdefault("database_read", "primary")
+
+
 def init_standbys(app: Flask) -> None:
     """Make the standbys' engine when DATABASE_READ_URL names them (settings.py refused it
     without a PostgreSQL primary)."""

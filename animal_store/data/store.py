@@ -116,6 +116,7 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
         on_standby = reads.read(*page_on_standby(select, values, table))
         if on_standby is not None:
             return on_standby
+    standbys.read_on_primary()
     with db.engine.connect() as connection:
         known = keyset.known_settled_to(connection, table)
         rows = as_dicts(connection.execute(select, {**values, keyset.SETTLED_TO_PARAMETER: known}))
@@ -191,6 +192,7 @@ def find_pet(pet_id: int) -> PetRow | None:
             return cast("PetRow", found[0])
         if found is not None:
             standbys.sent_back("not_found")
+    standbys.read_on_primary()
     rows = cast("list[PetRow]", read(PET_BY_ID, {"pet_id": pet_id}))
     return rows[0] if rows else None
 

@@ -94,18 +94,22 @@ DATABASE_REFUSALS = Counter(
     "read_only, login_refused, storage_full (errors.OUTAGE_REASONS).",
     ["reason"],
 )
-# Counted with standbys only (DATABASE_READ_URL; data/standbys.py): the reads of listPets and
-# getPet, by the server that served them, and those the primary served, by why.
+# The reads of listPets and getPet that reached a database (not those the worker's answers
+# kept: answers.py), by the server that served them; the series "standby" only with standbys
+# (DATABASE_READ_URL; data/standbys.py), so its absence says none is configured (the alert on
+# standby reads relies on it). And those the primary served although standbys are configured,
+# by why.
 DATABASE_READS = Counter(
     "animal_store_database_reads",
-    "Reads of listPets and getPet with standbys configured, by the server that served them: "
-    "primary, standby.",
+    "Reads of listPets and getPet that reached a database, by the server that served them: "
+    "primary, standby (only with DATABASE_READ_URL).",
     ["server"],
 )
 READS_SENT_TO_PRIMARY = Counter(
     "animal_store_database_reads_sent_to_primary",
-    "Reads the primary served with standbys configured, by reason: walk (a standby lacks the "
-    "position a page needs), lag, promoted, down, not_found (a standby lacks the animal).",
+    "Reads the primary served although standbys are configured, by reason: walk (a standby "
+    "lacks the position a page needs), lag, promoted, down, not_found (a standby lacks the "
+    "animal).",
     ["reason"],
 )
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
@@ -214,7 +218,8 @@ class RequestMetrics:
         status = response.status_code
         reason = context.get("auth_failure")
         refusal = context.get("database_refusal")
-        # With standbys: "standby", or why the primary served the read (data/standbys.py).
+        # "primary", "standby", or why the primary served a read standbys could have
+        # (data/standbys.py); None: no read reached a database.
         read = context.get("database_read")
         # Only a creation is replayed: no other answer's headers are searched for the mark.
         replayed = served.method == "POST" and response.headers.get("Idempotent-Replayed") == "true"
@@ -231,8 +236,8 @@ class RequestMetrics:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
             if refusal:
                 self.counted[DATABASE_REFUSALS.labels(refusal)] += 1
-            if read == "standby":
-                self.counted[DATABASE_READS.labels("standby")] += 1
+            if read in ("standby", "primary"):
+                self.counted[DATABASE_READS.labels(read)] += 1
             elif read:
                 self.counted[DATABASE_READS.labels("primary")] += 1
                 self.counted[READS_SENT_TO_PRIMARY.labels(read)] += 1
@@ -305,11 +310,11 @@ def init_metrics(app: Flask) -> RequestMetrics:
         DATABASE_REFUSALS.labels(reason)
     for reason in AUTH_FAILURE_REASONS:
         AUTH_FAILURES.labels(reason)
+    DATABASE_READS.labels("primary")
     if settings(app).DATABASE_READ_URL is not None:
-        for server in ("primary", "standby"):
-            DATABASE_READS.labels(server)
-        for why in standbys.REASONS:
-            READS_SENT_TO_PRIMARY.labels(why)
+        DATABASE_READS.labels("standby")
+    for why in standbys.REASONS:
+        READS_SENT_TO_PRIMARY.labels(why)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
     return metrics
 
