@@ -326,7 +326,8 @@ class Settings:
     DATABASE_READ_MAX_LAG: float = setting(
         seconds(above=0),
         "PostgreSQL: seconds behind its primary past which a standby serves no read (its "
-        "replay's lag, 0 when it has replayed all it received)",
+        "replay's lag: the age of the last transaction it replayed, 0 while it streams and has "
+        "replayed all it received)",
     )
     GET_PET_DEPRECATION: Deprecation = setting(
         expecting(

@@ -510,6 +510,33 @@ def test_a_lagging_standby_serves_no_read(cluster, make_app, make_auth):
     assert sent_back("lag") == lag + 1
 
 
+def test_a_standby_cut_off_from_the_primary_is_as_old_as_its_last_transaction(
+    cluster, make_app, make_auth
+):
+    # A standby whose WAL receiver is gone has replayed all it received: it must not read as
+    # lagging 0 s while the primary writes on without it.
+    standby = cluster["primary"].standby()
+    try:
+        app = make_app(standby, DATABASE_READ_MAX_LAG=1)
+        client = app.test_client()
+        auth = make_auth()
+        pet_id = create(client, auth)
+        standby.wait_for_replay()
+        assert client.get(f"/v1/pets/{pet_id}", headers=auth).status_code == 200
+        standby.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
+        while standby.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
+            time.sleep(0.05)
+        # Past the bound since the last transaction it replayed, and the last check's second.
+        time.sleep(1.1)
+        lag = sent_back("lag")
+        assert client.get(f"/v1/pets/{pet_id}", headers=auth).status_code == 200
+        assert sent_back("lag") == lag + 1
+        assert REGISTRY.get_sample_value("animal_store_standby_lag_seconds") > 1
+    finally:
+        cluster["primary"].standbys.remove(standby)
+        standby.stop()
+
+
 def test_a_promoted_standby_serves_no_read(cluster, make_app, make_auth):
     standby = cluster["primary"].standby()
     try:

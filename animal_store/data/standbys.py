@@ -61,11 +61,15 @@ CHECK_EVERY = 1.0
 # its last check passed: its pool entry's info, which SQLAlchemy empties whenever the entry
 # connects again (perhaps to another server), so it lives exactly as long as the connection.
 REPLAYED, CHECKED_AT = "animal_store_replayed", "animal_store_checked_at"
-# The lag: 0 for a standby that has replayed all it received (an idle primary sends nothing, and
-# its last commit's time would read as lag), else the age of the last transaction it replayed.
+# The lag: 0 for a standby that streams and has replayed all it received (an idle primary sends
+# nothing, and its last commit's time would read as lag), else the age of the last transaction it
+# replayed. One with no WAL receiver (cut off from the primary, which may be writing on) has
+# replayed all it received too, and is as old as its last transaction. pg_stat_wal_receiver has
+# a row while the receiver runs; any role sees it (only its details need pg_read_all_stats).
 CHECK = sa.text(
     "SELECT pg_is_in_recovery(), (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint, "
-    "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() THEN 0 "
+    "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() "
+    "AND EXISTS (SELECT FROM pg_stat_wal_receiver) THEN 0 "
     "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END"
 )
 REASONS = ("walk", "lag", "promoted", "down", "not_found")
