@@ -113,7 +113,7 @@ def test_a_scrape_counts_exactly_what_two_workers_answered(
     # is configured: no series of theirs, and nothing sent back from one.
     assert 4 <= count(samples, "animal_store_database_reads_total", server="primary") <= 13
     assert ("animal_store_database_reads_total", (("server", "standby"),)) not in samples
-    for reason in ("walk", "lag", "promoted", "down", "not_found"):
+    for reason in ("walk", "lag", "promoted", "timeline", "down", "not_found"):
         assert (
             count(samples, "animal_store_database_reads_sent_to_primary_total", reason=reason) == 0
         )

@@ -15,6 +15,7 @@ two instances: nothing of a read's routing is shared between processes), which s
 gunicorn's boots each. They run in the pass without TEST_DATABASE_URL (clusters of their own).
 """
 
+import logging
 import re
 import secrets
 import threading
@@ -28,6 +29,7 @@ from prometheus_client import REGISTRY
 
 from animal_store import create_app
 from animal_store.access.auth import issue_key
+from animal_store.data import failover
 from animal_store.data import standbys as standbys_module
 from animal_store.extensions import db
 from animal_store.settings import SettingsError
@@ -562,6 +564,121 @@ def test_a_promoted_standby_serves_no_read(cluster, make_app, make_auth):
     finally:
         cluster["primary"].standbys.remove(standby)
         standby.stop()
+
+
+def test_a_role_that_cannot_see_whether_a_standby_streams_reads_on_the_primary(
+    cluster, make_app, make_auth, caplog
+):
+    # Whether a standby streams, and on which timeline, is shown only to pg_read_all_stats
+    # (docs/deploy.rst, Reads on the standbys, grants it): without it no read is safe there.
+    role = f"reader_{secrets.token_hex(4)}"
+    cluster["primary"].sql(f"CREATE ROLE {role} LOGIN; GRANT SELECT ON pets TO {role};", "store")
+    cluster["fresh"].wait_for_replay()
+    app = make_app(read_url=f"postgresql://{role}@{cluster['fresh'].host_port}/store")
+    client, auth = app.test_client(), make_auth()
+    pet_id = create(client, auth)
+    cluster["fresh"].wait_for_replay()
+    lag, on_standby = sent_back("lag"), reads("standby")
+    with caplog.at_level(logging.ERROR, logger=standbys_module.LOG.name):
+        for _ in range(2):
+            assert client.get(f"/v1/pets/{pet_id}", headers=auth).status_code == 200
+    assert (sent_back("lag"), reads("standby")) == (lag + 2, on_standby)
+    said = [r.getMessage() for r in caplog.records if r.name == standbys_module.LOG.name]
+    assert said == [standbys_module.HIDDEN % role]
+    cluster["primary"].sql(f"GRANT pg_read_all_stats TO {role}")
+    cluster["fresh"].wait_for_replay()
+    app.extensions[standbys_module.STATE].engine.dispose()  # the grant applies to new sessions
+    assert client.get(f"/v1/pets/{pet_id}", headers=auth).status_code == 200
+    assert reads("standby") == on_standby + 1
+
+
+def test_after_a_failover_a_standby_on_the_old_timeline_serves_no_read(make_app):
+    # The failover that loses WAL: the primary partitioned away (frozen) after a standby
+    # replayed a creation the standby promoted in its place never received. The first standby
+    # still streams from the old primary (until wal_receiver_timeout) and holds an animal that is
+    # not in the store: it must serve no read once the instance works on the new primary, by id
+    # or in a page, though positions on the two timelines have the same numbers.
+    primary = start_own_cluster(replication="async")
+    try:
+        url = primary.create_database("store")
+        migrate_to_head(url)
+        promoted, old = primary.standby(), primary.standby()
+        # The standby to be promoted first: a standby, libpq skips it for the primary until then.
+        hosts = f"{promoted.host_port},{primary.host_port}"
+        app = make_app(
+            old,
+            DATABASE_URL=f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
+            DATABASE_DEADLINE=2,
+        )
+        client = app.test_client()
+        with app.app_context():
+            _, key = issue_key("failover")
+            db.session.commit()
+        auth = {"Authorization": f"Bearer {key}"}
+        kept = create(client, auth, "kept")
+        promoted.wait_for_replay()
+        old.wait_for_replay()
+        on_standby = reads("standby")
+        assert client.get(f"/v1/pets/{kept}", headers=auth).status_code == 200
+        assert reads("standby") == on_standby + 1
+        # Cut off from the primary: no WAL after this reaches it (a frozen one would read what
+        # the kernel kept for it once thawed).
+        promoted.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
+        while promoted.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
+            time.sleep(0.05)
+        lost = create(client, auth, "lost")
+        old.wait_for_replay()
+        primary.freeze()
+        try:
+            promoted.promote()
+            # The instance's connections to the old primary time out, each a JSON 503 that a
+            # client sends again; then it works on the new one.
+            body = {"name": "after", "categoryId": 1}
+            after = retried(lambda: client.post("/v1/pets", json=body, headers=auth))
+            after = after.get_json()["id"]
+            # Every pooled connection to the old primary dropped, and the instance has asked the
+            # new one who it is (failover.py).
+            while retried(lambda: client.get(f"/v1/pets/{kept}", headers=auth)).status_code != 200:
+                pass
+            time.sleep(failover.CONFIRM_EVERY)
+            timeline = sent_back("timeline")
+            assert retried(lambda: client.get(f"/v1/pets/{lost}", headers=auth)).status_code == 404
+            shown = {pet["id"]: pet["name"] for pet in pages(client, auth)}
+            assert shown.get(after) == "after"
+            assert shown.get(lost) != "lost"
+            assert sent_back("timeline") >= timeline + 2
+        finally:
+            primary.thaw()
+    finally:
+        for standby in primary.standbys:
+            standby.stop()
+        primary.stop()
+
+
+def retried(send, within=60):
+    """The first answer to `send()` that is not a 503, sent again after each 503 (a JSON one,
+    with Retry-After) as a client does."""
+    deadline = time.monotonic() + within
+    while True:
+        answer = send()
+        if answer.status_code != 503:
+            return answer
+        assert answer.headers["Retry-After"]
+        assert answer.get_json()["code"]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def pages(client, auth):
+    """Every animal a walk of pages shows."""
+    shown, url = [], "/v1/pets?limit=100"
+    while url:
+        answer = retried(lambda url=url: client.get(url, headers=auth))
+        assert answer.status_code == 200, answer.get_json()
+        shown += answer.get_json()
+        link = answer.headers.get("Link")
+        url = link[link.index("/v1/") : link.index(">")] if link else None
+    return shown
 
 
 @pytest.mark.parametrize("primary", [None, "sqlite:////tmp/store.sqlite3"])

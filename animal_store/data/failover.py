@@ -27,14 +27,22 @@ from datetime import datetime
 from flask import Flask, current_app
 from sqlalchemy import event, text
 from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from animal_store.data.database_faults import is_read_only_refusal
 from animal_store.extensions import db
 
 # How long a worker answers from what it kept before it asks the database again who it is.
 CONFIRM_EVERY = 1.0
-SERVER = text("SELECT pg_postmaster_start_time()")
+# With the server, its timeline (standbys.py reads only from standbys on it): 0 on a server in
+# recovery, which has none of its own.
+SERVER_QUERY = (
+    "SELECT pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN 0 "
+    "ELSE ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int END"
+)
+SERVER = text(SERVER_QUERY)
 STATE = "animal_store_failover"
 
 
@@ -45,6 +53,8 @@ class Server:
     def __init__(self, memos: tuple[str, ...]) -> None:
         self.memos = memos
         self.started: datetime | None = None
+        # The primary's timeline when last asked (None before): kept while it does not answer.
+        self.timeline: int | None = None
         self.ask_at = 0.0
         self.lock = threading.Lock()
 
@@ -68,7 +78,23 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
         if refused is not None and is_read_only_refusal(refused):
             context.is_disconnect = True
 
-    app.extensions[STATE] = Server(memos)
+    server = app.extensions[STATE] = Server(memos)
+
+    @event.listens_for(engine, "connect")
+    def ask_a_new_connection(connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+        # A new connection may reach another server (libpq's host list, after a failover): it is
+        # known before the connection's first use, not up to CONFIRM_EVERY later. Behind
+        # PgBouncer, whose connections outlive the servers behind it, confirm_database tells.
+        cursor = connection.cursor()
+        try:
+            cursor.execute(SERVER_QUERY)
+            said = cursor.fetchone()
+        finally:
+            cursor.close()
+            connection.rollback()
+        if said is not None:  # always: one row
+            learn(app, server, *said)
+
     return (confirm_database,)
 
 
@@ -84,28 +110,41 @@ def confirm_database() -> None:
         # A connection of its own, given back at once: the request's session stays out of any
         # transaction, which behind PgBouncer would hold a server connection for the request.
         with db.engine.connect() as connection:
-            started = connection.scalar(SERVER)
+            started, timeline = connection.execute(SERVER).one()
     except SQLAlchemyError:
         # The database does not answer: what it will hold when it does is unknown. The server
         # last seen stays known, so the one that answers next is told apart from it.
-        forget(server)
+        forget(current_app, server)
         return
+    learn(current_app, server, started, timeline)
+
+
+def learn(app: Flask, server: Server, started: datetime, timeline: int) -> None:
+    """Take what the database said of itself: forget what the worker kept if it is another
+    server than the one it was kept from."""
+    server.timeline = timeline
     if started == server.started:
         return
     with server.lock:
         if started == server.started:
             return  # another thread of the worker saw it first
         if server.started is not None:
-            current_app.logger.warning(
+            app.logger.warning(
                 "The database is another server than this worker read from (started %s, "
                 "then %s): forgetting the answers, keys and ids it kept",
                 server.started.isoformat(),
                 started.isoformat(),
             )
-        forget(server)
+        forget(app, server)
         server.started = started
 
 
-def forget(server: Server) -> None:
+def primary_timeline() -> int | None:
+    """The timeline of the primary as this worker last asked it, None before (or on SQLite)."""
+    server: Server | None = current_app.extensions.get(STATE)
+    return None if server is None else server.timeline
+
+
+def forget(app: Flask, server: Server) -> None:
     for memo in server.memos:
-        current_app.extensions.pop(memo, None)
+        app.extensions.pop(memo, None)

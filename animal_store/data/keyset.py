@@ -72,7 +72,7 @@ Subtle points, each relied on:
 """
 
 import zlib
-from typing import NotRequired, TypedDict, TypeVar
+from typing import NamedTuple, NotRequired, TypedDict, TypeVar
 
 import sqlalchemy as sa
 from flask import current_app
@@ -115,8 +115,10 @@ SETTLED_TO = sa.text("SELECT keyset_settled_to(CAST(:ids AS regclass), :marks)")
 # before it released its mark, so below the position read afterwards. The insert position, not
 # the write position: under synchronous_commit=off a commit returns, and releases its mark,
 # before its record is written.
+# The position is the primary's timeline with its place on it (Position).
 SETTLED_AT = sa.text(
-    "SELECT settled, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "
+    "SELECT settled, ('x' || left(pg_walfile_name(pg_current_wal_insert_lsn()), 8))::bit(32)::int, "
+    "(pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "
     "(SELECT keyset_settled_to(CAST(:ids AS regclass), :marks) AS settled OFFSET 0) AS asked"
 )
 # Where an app keeps its highest answer with its position, per table, for pages on standbys.
@@ -268,24 +270,36 @@ def known(table: str) -> int:
     return answers.get(table, 0)
 
 
-def known_position(table: sa.Table) -> tuple[int, int]:
+class Position(NamedTuple):
+    """A position in the primary's WAL: its timeline, and the byte (LSN) on it. A standby holds
+    what the primary wrote up to it only if it has replayed that far on the same timeline: after
+    a failover, one that replayed the lost primary's last WAL, past where the new primary's
+    timeline forked off, has positions of the same numbers and other contents."""
+
+    timeline: int
+    lsn: int
+
+
+def known_position(table: sa.Table) -> tuple[int, Position | None]:
     """Up to which id every row of the table is settled, and from which position of the
-    primary's WAL on a standby holds those rows, as far as this app has asked ((0, 0) before)."""
-    positions: dict[str, tuple[int, int]] = current_app.extensions.get(POSITIONS, {})
-    return positions.get(table.name, (0, 0))
+    primary's WAL on a standby holds those rows, as far as this app has asked ((0, None)
+    before)."""
+    positions: dict[str, tuple[int, Position]] = current_app.extensions.get(POSITIONS, {})
+    return positions.get(table.name, (0, None))
 
 
-def ask_position(connection: sa.Connection, table: sa.Table) -> tuple[int, int]:
+def ask_position(connection: sa.Connection, table: sa.Table) -> tuple[int, Position]:
     """Ask the primary up to which id every row of the table is settled and where its WAL
     stands; keep both for the app's later pages on standbys (the answer, for those on the
     primary too), and return them."""
-    answer, position = connection.execute(
+    answer, timeline, lsn = connection.execute(
         SETTLED_AT, {"ids": sequence(table.name), "marks": marks(table.name)}
     ).one()
-    positions: dict[str, tuple[int, int]] = current_app.extensions.setdefault(POSITIONS, {})
+    position = Position(timeline, lsn)
+    positions: dict[str, tuple[int, Position]] = current_app.extensions.setdefault(POSITIONS, {})
     # Kept as a pair: an answer with another answer's position could claim rows the position
     # does not hold. Two threads may store at once: a lower pair that wins only asks sooner.
-    if answer >= positions.get(table.name, (0, 0))[0]:
+    if answer >= positions.get(table.name, (0, None))[0]:
         positions[table.name] = (answer, position)
     keep(table.name, answer)
     return answer, position

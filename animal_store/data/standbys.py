@@ -46,6 +46,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
+from animal_store.data.failover import primary_timeline
+from animal_store.data.keyset import Position
 from animal_store.extensions import settings
 from animal_store.settings import read_database_uri
 
@@ -61,18 +63,27 @@ CHECK_EVERY = 1.0
 # its last check passed: its pool entry's info, which SQLAlchemy empties whenever the entry
 # connects again (perhaps to another server), so it lives exactly as long as the connection.
 REPLAYED, CHECKED_AT = "animal_store_replayed", "animal_store_checked_at"
+# What the standby says of itself: in recovery; its replay position; its lag; whether its WAL
+# receiver runs, streams, and on which timeline (pg_stat_wal_receiver has a row while the
+# receiver runs; its status and timeline are shown only to a role with pg_read_all_stats).
 # The lag: 0 for a standby that streams and has replayed all it received (an idle primary sends
 # nothing, and its last commit's time would read as lag), else the age of the last transaction it
-# replayed. One with no WAL receiver (cut off from the primary, which may be writing on) has
-# replayed all it received too, and is as old as its last transaction. pg_stat_wal_receiver has
-# a row while the receiver runs; any role sees it (only its details need pg_read_all_stats).
+# replayed: one that does not stream (cut off from the primary, which may be writing on) has
+# replayed all it received too, and is as old as its last transaction.
 CHECK = sa.text(
     "SELECT pg_is_in_recovery(), (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint, "
     "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() "
-    "AND EXISTS (SELECT FROM pg_stat_wal_receiver) THEN 0 "
-    "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END"
+    "AND receiver.status = 'streaming' THEN 0 "
+    "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END, "
+    "receiver.pid IS NOT NULL, receiver.status = 'streaming', receiver.received_tli "
+    "FROM (SELECT) AS here LEFT JOIN pg_stat_wal_receiver AS receiver ON true"
 )
-REASONS = ("walk", "lag", "promoted", "down", "not_found")
+REASONS = ("walk", "lag", "promoted", "timeline", "down", "not_found")
+# Said once a process: a role that cannot see whether its standbys stream reads nothing there.
+HIDDEN = (
+    "The standbys do not show DATABASE_READ_URL's role whether they stream from the primary, "
+    "so every read goes to the primary: GRANT pg_read_all_stats TO %s, on the primary"
+)
 
 LAG = Gauge(
     "animal_store_standby_lag_seconds",
@@ -113,12 +124,14 @@ class Standbys:
         )
         watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
         self.paused_until = 0.0
+        self.hidden_said = False
 
     def read(
-        self, at_least: int, behind: str, read: Callable[[sa.Connection], Rows]
+        self, at_least: Position | None, behind: str, read: Callable[[sa.Connection], Rows]
     ) -> Rows | None:
         """Return what `read` reads on a standby that has replayed `at_least` (else the reason
-        is `behind`), or None when it must be read on the primary (the reason noted)."""
+        is `behind`; None: it follows the primary's timeline, whatever it has replayed), or
+        None when it must be read on the primary (the reason noted)."""
         now = time.monotonic()
         if now < self.paused_until:
             sent_back("down")
@@ -150,27 +163,52 @@ class Standbys:
         g.database_read = "standby"
         return rows
 
-    def require(self, connection: sa.Connection, at_least: int, behind: str) -> None:
-        """Raise SentBack unless the connection's server is a standby within the lag bound that
-        has replayed `at_least`; ask it only when what it last said does not answer."""
+    def require(self, connection: sa.Connection, at_least: Position | None, behind: str) -> None:
+        """Raise SentBack unless the connection's server is a standby within the lag bound,
+        streaming on the primary's timeline, that has replayed `at_least` (None: the timeline
+        the worker last saw the primary on, failover.py); ask it only when what it last said
+        does not answer."""
+        if at_least is None:
+            timeline = primary_timeline()
+            if timeline is None:
+                raise SentBack("timeline")  # not asked yet: none is known to follow it
+            at_least = Position(timeline, 0)
         info = connection.info
         now = time.monotonic()
-        if info.get(REPLAYED, -1) >= at_least and now - info.get(CHECKED_AT, -CHECK_EVERY) < (
-            CHECK_EVERY
+        seen: Position | None = info.get(REPLAYED)
+        if (
+            seen is not None
+            and seen.timeline == at_least.timeline
+            and seen.lsn >= at_least.lsn
+            and now - info.get(CHECKED_AT, -CHECK_EVERY) < CHECK_EVERY
         ):
             return
-        recovering, replayed, lag = connection.execute(CHECK).one()
+        info.pop(CHECKED_AT, None)
+        recovering, replayed, lag, receiving, streaming, timeline = connection.execute(CHECK).one()
         if not recovering:
             connection.invalidate()
             raise SentBack("promoted")
-        info[REPLAYED] = max(replayed, info.get(REPLAYED, -1))
-        LAG.set(-1 if lag is None else lag)
-        if lag is None or lag > self.max_lag:
-            info.pop(CHECKED_AT, None)
+        if receiving and streaming is None:
+            self.say_hidden(connection)
             raise SentBack("lag")
+        LAG.set(-1 if lag is None else lag)
+        if not streaming or lag is None or lag > self.max_lag:
+            raise SentBack("lag")
+        if seen is None or seen.timeline != timeline:
+            seen = Position(timeline, replayed)
+        info[REPLAYED] = Position(timeline, max(replayed, seen.lsn))
         info[CHECKED_AT] = now
-        if replayed < at_least:
+        # One that streams another timeline than the primary's: the old one, before it follows
+        # a new primary, or forever, where it replayed WAL the new one never had.
+        if timeline != at_least.timeline:
+            raise SentBack("timeline")
+        if replayed < at_least.lsn:
             raise SentBack(behind)
+
+    def say_hidden(self, connection: sa.Connection) -> None:
+        if not self.hidden_said:
+            self.hidden_said = True
+            LOG.error(HIDDEN, connection.engine.url.username)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -139,7 +139,7 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
 
 def page_on_standby(
     select: sa.Executable, values: Mapping[str, Any], table: sa.Table
-) -> tuple[int, str, Callable[[sa.Connection], list[PageRow]]]:
+) -> tuple[keyset.Position | None, str, Callable[[sa.Connection], list[PageRow]]]:
     """The read of a keyset page on a standby, and the position it needs first (and the reason
     when the standby lacks it), for standbys.Standbys.read.
 
@@ -175,7 +175,7 @@ def page_on_standby(
     return position, "walk", read_page_here
 
 
-def ask_position(table: sa.Table) -> tuple[int, int]:
+def ask_position(table: sa.Table) -> tuple[int, keyset.Position]:
     with db.engine.connect() as connection:
         return keyset.ask_position(connection, table)
 
@@ -185,8 +185,9 @@ def find_pet(pet_id: int) -> PetRow | None:
     changes), from the primary otherwise, and before None (never a standby's not found)."""
     reads = standbys.standbys()
     if reads is not None:
+        # Any position on the primary's timeline holds an animal it has (it never changes).
         found = reads.read(
-            0, "walk", lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id})
+            None, "walk", lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id})
         )
         if found:
             return cast("PetRow", found[0])

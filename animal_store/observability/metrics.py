@@ -108,8 +108,8 @@ DATABASE_READS = Counter(
 READS_SENT_TO_PRIMARY = Counter(
     "animal_store_database_reads_sent_to_primary",
     "Reads the primary served although standbys are configured, by reason: walk (a standby "
-    "lacks the position a page needs), lag, promoted, down, not_found (a standby lacks the "
-    "animal).",
+    "lacks the position a page needs), lag, promoted, timeline (a standby streams another "
+    "timeline than the primary's), down, not_found (a standby lacks the animal).",
     ["reason"],
 )
 # Counted from 0 on every instance, shedding or not (animal_store/http/shedding.py).
