@@ -320,7 +320,8 @@ class Settings:
         "PostgreSQL: the streaming standbys that serve listPets and getPet whenever that is "
         "safe, the primary serving the rest: one host, libpq's host list (with "
         "``target_session_attrs=standby`` and ``load_balance_hosts=random``) or HAProxy's "
-        "replica port. ``null``: every read on the primary. Usually set as ``DATABASE_READ_URL`` "
+        "replica port; its role needs ``pg_read_all_stats``, to see whether a standby streams. "
+        "``null``: every read on the primary. Usually set as ``DATABASE_READ_URL`` "
         "(`Reads on the standbys <deploy.rst#reads-on-the-standbys>`__)",
     )
     DATABASE_READ_MAX_LAG: float = setting(
