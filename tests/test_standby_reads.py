@@ -26,6 +26,8 @@ import pytest
 import requests
 from conftest import Gunicorn, migrate_to_head, start_own_cluster
 from prometheus_client import REGISTRY
+from test_documented_steps import block_with
+from test_documented_steps import read as read_doc
 
 from animal_store import create_app
 from animal_store.access.auth import issue_key
@@ -585,7 +587,10 @@ def test_a_role_that_cannot_see_whether_a_standby_streams_reads_on_the_primary(
     assert (sent_back("lag"), reads("standby")) == (lag + 2, on_standby)
     said = [r.getMessage() for r in caplog.records if r.name == standbys_module.LOG.name]
     assert said == [standbys_module.HIDDEN % role]
-    cluster["primary"].sql(f"GRANT pg_read_all_stats TO {role}")
+    # The grant as docs/deploy.rst gives it, for the test's role.
+    block = block_with(read_doc("deploy.rst"), "pg_read_all_stats")
+    grant = re.fullmatch(r'runuser -u postgres -- psql -c "(GRANT \S+ TO) store"', block.strip())
+    cluster["primary"].sql(f"{grant[1]} {role}")
     cluster["fresh"].wait_for_replay()
     app.extensions[standbys_module.STATE].engine.dispose()  # the grant applies to new sessions
     assert client.get(f"/v1/pets/{pet_id}", headers=auth).status_code == 200
