@@ -423,6 +423,15 @@ class PatroniCluster:
             "?target_session_attrs=read-write"
         )
 
+    def read_url(self, database: str = "store") -> str:
+        """The service's DATABASE_READ_URL, as docs/deploy.rst (Reads on the standbys) writes it:
+        every machine, a standby taken at random for each connection."""
+        hosts = ",".join(f"127.0.0.1:{m.postgres_port}" for m in self.machines)
+        return (
+            f"postgresql://postgres:{self.superuser_password}@{hosts}/{database}"
+            "?target_session_attrs=standby&load_balance_hosts=random"
+        )
+
     def sql(self, machine: Machine, statements: str, database: str = "postgres") -> str:
         """Run SQL as postgres over the machine's Unix socket (peer); return psql's output."""
         as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []

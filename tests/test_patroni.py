@@ -3,7 +3,12 @@ creations (each with an Idempotency-Key, sent again after a 503 or a 409 until c
 reads through gunicorn, straight to PostgreSQL (libpq's multi-host URL) and through PgBouncer,
 which reaches the primary through HAProxy health-checking Patroni's REST API (docs/deploy.rst,
 High availability). Both paths are loaded at once through each fault, so each fault is measured
-on both.
+on both. The straight path reads on the standbys too (DATABASE_READ_URL, as docs/deploy.rst's
+Reads on the standbys writes it), so each fault is also one under reads on the standbys: no read
+shows an animal the new primary lacks or names otherwise, none answers 404 for the reader's own
+latest creation, and its gunicorn's /metrics say where its reads went before, during and after
+the fault, and once the old leader is back as a standby; through PgBouncer every read stays on
+the primary, beside it.
 
 The cluster is the module's own (tests/patroni_cluster.py: three etcd members and three Patroni
 nodes on loopback ports), shared by the tests in the order they are written, each leaving it
@@ -22,12 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import TEST_DATABASE_URL, Gunicorn, migrate_to_head
 from patroni_cluster import MISSING, TEST_TIMINGS, HAProxy, Machine, PatroniCluster
 from pgbouncer_server import PGBOUNCER, PgBouncer
 from sqlalchemy.engine import make_url
 from test_failover import answer_kinds, make_key, wait_for_a_creation
-from test_releases import Load, walk
+from test_releases import Load, scrape, walk
+
+from animal_store.data.standbys import REASONS
 
 pytestmark = [
     pytest.mark.skipif(
@@ -46,13 +54,16 @@ class KeyedLoad(Load):
     """Load's readers and creators, but each creation carries an Idempotency-Key and is sent
     again, same key and body, after an answer that is not final (a 503, a dropped connection),
     as a careful client does; each reader gets the latest animal its load created, or the first
-    page, and keeps every animal it was shown."""
+    page, and keeps every animal it was shown, when each read was answered and how, and how
+    often it was told its load's latest creation is not there (a 404)."""
 
     def __init__(self, url, key, prefix):
         super().__init__(url, "", key, listers=1, creators=1)
         self.prefix = prefix
         self.pending: dict[int, str] = {}
         self.shown: list[tuple[int, str]] = []
+        self.reads: list[tuple[float, int]] = []
+        self.missing = 0
 
     def create_pet(self, session, n):
         me = threading.get_ident()
@@ -74,6 +85,10 @@ class KeyedLoad(Load):
             latest = self.acknowledged[-1]["id"] if self.acknowledged and n % 2 else None
         path = f"/v1/pets/{latest}" if latest else "/v1/pets?limit=20"
         response = session.get(f"{self.url}{path}", headers=self.auth, timeout=30)
+        with self.lock:
+            self.reads.append((time.monotonic(), response.status_code))
+            if latest and response.status_code == 404:
+                self.missing += 1
         if response.status_code == 200:
             body = response.json()
             with self.lock:
@@ -108,6 +123,7 @@ class Figures:
     acknowledged: int
     lost: int
     stale: int
+    missing: int
     rejoined: float | None = None
 
     def row(self) -> str:
@@ -118,15 +134,68 @@ class Figures:
         return (
             f"{self.fault:<10} {self.mode:<10} {self.path:<9} {self.promotion:>6.2f} s "
             f"{self.first_creation:>6.2f} s {self.longest_gap:>6.2f} s  "
-            f"{self.lost} of {self.acknowledged:<5} {self.stale:>5}  {rejoined:>7}  {answers}"
+            f"{self.lost} of {self.acknowledged:<5} {self.stale:>5} {self.missing:>7}  "
+            f"{rejoined:>7}  {answers}"
         )
 
 
 HEADER = (
-    "fault      mode       path      promoted  then 201  no 201  lost        stale  rejoined"
-    "  answers"
+    "fault      mode       path      promoted  then 201  no 201  lost        stale  missing"
+    "  rejoined  answers"
 )
 MEASURED: list[Figures] = []
+
+
+@dataclass
+class Reads:
+    """Where the direct path's reads went through one fault, by its gunicorn's /metrics: before
+    the fault; during it, until the new leader's Patroni said so; after, as the load went on;
+    and once the old leader had rejoined as a standby. And how long after the promotion a
+    standby served a read again, and how each path's reads during the fault were answered (a
+    read answered 503 before any server was asked is in no phase's count)."""
+
+    fault: str
+    mode: str
+    standby_again: float
+    answered_during: dict[str, Counter]
+    phases: dict[str, Counter]
+
+    def row(self) -> str:
+        answered = [
+            f"{path} " + ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
+            for path, statuses in self.answered_during.items()
+        ]
+        return f"{self.fault:<10} {self.mode:<10} {self.standby_again:>5.2f} s  " + "; ".join(
+            answered + [f"{name} {said(n)}" for name, n in self.phases.items()]
+        )
+
+
+READS_HEADER = (
+    "fault      mode       standby  reads answered during the fault by path; the direct path's"
+    " reads by server (of the primary's, why)"
+)
+
+
+READS: list[Reads] = []
+
+
+def reads_so_far(server: Gunicorn) -> Counter:
+    """The reads the gunicorn counted (its /metrics, summed over its workers): by the server that
+    served them ("standby", "primary") and, of the primary's, by why the standby did not."""
+    counts: Counter = Counter()
+    for (name, labels), value in scrape(server).items():
+        if name == "animal_store_database_reads_total":
+            counts[dict(labels)["server"]] += int(value)
+        elif name == "animal_store_database_reads_sent_to_primary_total":
+            counts[dict(labels)["reason"]] += int(value)
+    return counts
+
+
+def said(counts: Counter) -> str:
+    reasons = ", ".join(f"{counts[reason]} {reason}" for reason in REASONS if counts[reason])
+    return f"{counts['standby']} standby, {counts['primary']} primary" + (
+        f" ({reasons})" if reasons else ""
+    )
 
 
 @dataclass
@@ -140,7 +209,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     """The three machines, a migrated database `store`, HAProxy and PgBouncer in front, and two
-    gunicorns: one on every machine's PostgreSQL, one on PgBouncer."""
+    gunicorns: one on every machine's PostgreSQL, its reads on the standbys, one on PgBouncer."""
     directory = tmp_path_factory.mktemp("patroni")
     cluster = PatroniCluster()
     haproxy = bouncer = None
@@ -155,10 +224,20 @@ def deployment(tmp_path_factory):
         password = cluster.superuser_password
         through = make_url(f"postgresql://postgres:{password}@127.0.0.1:{haproxy.port}/store")
         bouncer = PgBouncer(through, "postgres", pool_size=4).wait_until_serving()
-        env = {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"}
+        # Straight: the two URLs of docs/deploy.rst. Every read reaches a server, none is
+        # answered from what a worker kept (it would be most of them, an animal being read
+        # again until the next is created), and every count is written at once, so that a
+        # scrape between the phases of a fault counts where each phase's reads went. Through
+        # PgBouncer: every read on the primary, as before, beside it under the same fault.
+        straight = {
+            "DATABASE_READ_URL": cluster.read_url(),
+            "ANIMAL_STORE_ANSWER_CACHE_BYTES": "0",
+            "ANIMAL_STORE_METRICS_WRITE_INTERVAL": "0",
+        }
+        bounced = {"ANIMAL_STORE_DATABASE_BEHIND_PGBOUNCER": "true"}
         for database, environment in [
-            (url, None),
-            (bouncer.url.render_as_string(hide_password=False), env),
+            (url, straight),
+            (bouncer.url.render_as_string(hide_password=False), bounced),
         ]:
             log = directory / f"gunicorn-{len(servers)}.log"
             servers.append(Gunicorn(database, 2, environment, log))
@@ -177,6 +256,9 @@ def deployment(tmp_path_factory):
             timings = ", ".join(f"{name} {value}" for name, value in TEST_TIMINGS.items())
             print(f"\nPatroni failovers ({timings}):\n{HEADER}")
             print("\n".join(figures.row() for figures in MEASURED))
+        if READS:
+            print(f"The direct path's reads:\n{READS_HEADER}")
+            print("\n".join(reads.row() for reads in READS))
 
 
 def stored(cluster: PatroniCluster) -> dict[int, str]:
@@ -194,10 +276,13 @@ def longest_gap(load: KeyedLoad, moment: float) -> float:
     return max(b - a for a, b in itertools.pairwise(around))
 
 
-def through_a_fault(deployment: Deployment, fault: str, mode: str, act) -> list[Figures]:
+def through_a_fault(
+    deployment: Deployment, fault: str, mode: str, act
+) -> tuple[list[Figures], Reads]:
     """Load both paths, call `act()` (the fault; it returns once it is under way), wait for the
     new leader and for creations on both paths, load on a while; check every answer and what was
-    stored; return the figures."""
+    stored, and that the direct path read on the standbys before the fault and after it; return
+    the figures, and where the direct path's reads went."""
     cluster = deployment.cluster
     old = cluster.wait_for_leader(None)
     name = f"{fault}-{mode.replace(' ', '-')}"
@@ -205,19 +290,33 @@ def through_a_fault(deployment: Deployment, fault: str, mode: str, act) -> list[
         "direct": KeyedLoad(deployment.direct.url, deployment.key, f"{name}-direct"),
         "PgBouncer": KeyedLoad(deployment.bounced.url, deployment.key, f"{name}-bounced"),
     }
+    scrapes = [reads_so_far(deployment.direct)]
     with contextlib.ExitStack() as stack:
         for load in loads.values():
             stack.enter_context(load)
         for load in loads.values():
             load.wait_for_answers(50)
+        scrapes.append(reads_so_far(deployment.direct))
         started = time.monotonic()
         act(old)
         promoted = cluster.wait_for_leader(old, timeout=60)
         promoted_at = time.monotonic()
         promotion = promoted_at - started
+        scrapes.append(reads_so_far(deployment.direct))
+        standby_again = wait_for_a_read_on_a_standby(deployment.direct, scrapes[-1], promoted_at)
         first = {path: wait_for_a_creation(load, promoted_at, 60) for path, load in loads.items()}
         for load in loads.values():
             load.wait_for_answers(100, timeout=60)
+        scrapes.append(reads_so_far(deployment.direct))
+    phases = zip(("before", "during", "after"), itertools.pairwise(scrapes), strict=True)
+    answered = {
+        path: Counter(status for when, status in load.reads if started <= when < promoted_at)
+        for path, load in loads.items()
+    }
+    reads = Reads(
+        fault, mode, standby_again, answered, {name: phase(*pair) for name, pair in phases}
+    )
+    print(reads.row())
     animals = stored(cluster)
     assert cluster.leader() is promoted
     figures = []
@@ -238,6 +337,7 @@ def through_a_fault(deployment: Deployment, fault: str, mode: str, act) -> list[
                 len(acknowledged),
                 len(lost),
                 len(stale),
+                load.missing,
             )
         )
         print(figures[-1].row())
@@ -245,12 +345,44 @@ def through_a_fault(deployment: Deployment, fault: str, mode: str, act) -> list[
         # A synchronous standby is promoted, strict or not: it has every commit acknowledged.
         assert lost == []
         assert stale == [], stale[:5]
+        # A creation is found by id at once, wherever the read goes (a standby that lacks it
+        # leaves the answer to the primary), and through the fault too.
+        assert load.missing == 0
         # Each key made one animal, however often its creation was sent.
         names = Counter(name for name in animals.values() if name.startswith(load.prefix))
         assert [name for name, count in names.items() if count > 1] == []
         assert set(names) >= set(acknowledged.values())
     assert [pet["id"] for pet in walk(deployment.direct.url, "", deployment.key)] == list(animals)
-    return figures
+    assert reads.phases["before"]["standby"] > 0, reads.row()
+    return figures, reads
+
+
+def wait_for_a_read_on_a_standby(server: Gunicorn, since: Counter, moment: float) -> float:
+    """Return how long after `moment` the gunicorn had read on a standby more than `since` says:
+    once a standby, the one left or the old leader back, has what the reads ask of it."""
+    deadline = moment + 60
+    while reads_so_far(server)["standby"] == since["standby"]:
+        assert time.monotonic() < deadline, "no read on a standby within 60 s"
+        time.sleep(0.1)
+    return time.monotonic() - moment
+
+
+def phase(before: Counter, after: Counter) -> Counter:
+    """What was counted between two scrapes."""
+    return Counter({name: after[name] - before[name] for name in after})
+
+
+def reads_back_on_the_standbys(deployment: Deployment, reads: Reads) -> None:
+    """Once the old leader has rejoined: read straight, by id, the last 20 animals, count where
+    the reads went into `reads`, and check that standbys served some."""
+    before = reads_so_far(deployment.direct)
+    auth = {"Authorization": f"Bearer {deployment.key}"}
+    for pet in list(stored(deployment.cluster))[-20:]:
+        answer = requests.get(f"{deployment.direct.url}/v1/pets/{pet}", headers=auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+    reads.phases["rejoined"] = phase(before, reads_so_far(deployment.direct))
+    READS.append(reads)
+    assert reads.phases["rejoined"]["standby"] > 0, reads.row()
 
 
 def rejoin(cluster: PatroniCluster, machine: Machine) -> float:
@@ -284,11 +416,12 @@ def test_patroni_switchover_under_load_is_barely_noticed(deployment, mode):
         finished["thread"] = threading.Thread(target=run)
         finished["thread"].start()
 
-    figures = through_a_fault(deployment, "switchover", mode, switch_over)
+    figures, reads = through_a_fault(deployment, "switchover", mode, switch_over)
     finished["thread"].join(60)
     assert "Successfully switched over" in finished["said"], finished["said"]
     # The old leader follows the new one by itself: Patroni stopped it cleanly, no rewind needed.
     rejoined = rejoin(cluster, finished["old"])
+    reads_back_on_the_standbys(deployment, reads)
     for each in figures:
         each.rejoined = rejoined
     MEASURED.extend(figures)
@@ -309,7 +442,7 @@ def test_patroni_promotes_a_standby_when_the_leaders_machine_is_lost(deployment,
         lost.append(old)
 
     try:
-        figures = through_a_fault(deployment, "kill", mode, lose_the_leader)
+        figures, reads = through_a_fault(deployment, "kill", mode, lose_the_leader)
     finally:
         # Its etcd member and Patroni start again, as the machine's boot would (and for the
         # next test, whatever happened): Patroni rewinds its PostgreSQL if it must (it was the
@@ -318,6 +451,7 @@ def test_patroni_promotes_a_standby_when_the_leaders_machine_is_lost(deployment,
             machine.bring_back()
     (old,) = lost
     rejoined = rejoin(cluster, old)
+    reads_back_on_the_standbys(deployment, reads)
     for each in figures:
         each.rejoined = rejoined
     MEASURED.extend(figures)
