@@ -130,7 +130,7 @@ def main():
         ids = seeded_ids(primary)
         script = write_script(workdir, ids, args.get_share)
 
-        env = {**service_env(database_url), "ANIMAL_STORE_METRICS_WRITE_INTERVAL": "1"}
+        env = service_env(database_url)
         if not args.answer_cache:
             env["ANIMAL_STORE_ANSWER_CACHE_BYTES"] = "0"
         hosts = ",".join(standby.host_port for standby in standbys)
@@ -291,7 +291,12 @@ def run_reads(server, key, args, script, duration) -> wrk.WrkRun:
         stderr=subprocess.PIPE,
         text=True,
     )
-    return wrk.finish(process, duration + 60)
+    try:
+        return wrk.finish(process, duration + 60)
+    finally:
+        if process.poll() is None:  # it outlived its time: stopped, by its PID
+            process.kill()
+            process.wait()
 
 
 def measure(server, servers, key, args, script, duration, then=None) -> dict:
