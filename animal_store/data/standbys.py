@@ -194,9 +194,8 @@ class Standbys:
         LAG.set(-1 if lag is None else lag)
         if not streaming or lag is None or lag > self.max_lag:
             raise SentBack("lag")
-        if seen is None or seen.timeline != timeline:
-            seen = Position(timeline, replayed)
-        info[REPLAYED] = Position(timeline, max(replayed, seen.lsn))
+        # A server's replay only moves forward, on the timeline it streams.
+        info[REPLAYED] = Position(timeline, replayed)
         info[CHECKED_AT] = now
         # One that streams another timeline than the primary's: the old one, before it follows
         # a new primary, or forever, where it replayed WAL the new one never had.
