@@ -32,6 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from animal_store.data.database_faults import is_read_only_refusal
+from animal_store.data.keyset import TIMELINE
 from animal_store.extensions import db
 
 # How long a worker answers from what it kept before it asks the database again who it is.
@@ -39,8 +40,7 @@ CONFIRM_EVERY = 1.0
 # With the server, its timeline (standbys.py reads only from standbys on it): 0 on a server in
 # recovery, which has none of its own.
 SERVER_QUERY = (
-    "SELECT pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN 0 "
-    "ELSE ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int END"
+    f"SELECT pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN 0 ELSE {TIMELINE} END"
 )
 SERVER = text(SERVER_QUERY)
 STATE = "animal_store_failover"

@@ -106,6 +106,10 @@ BEGIN
 END $$
 """  # noqa: S608 - constants only
 
+# A primary's timeline, as a number: the first 8 hex digits of its current WAL file's name
+# (PostgreSQL has no function that returns it on a primary; pg_control_checkpoint()'s lags a
+# promotion until the next checkpoint).
+TIMELINE = "('x' || left(pg_walfile_name(pg_current_wal_insert_lsn()), 8))::bit(32)::int"
 # What a page asks when a row lies above what its app knows is settled (store.read_page).
 SETTLED_TO = sa.text("SELECT keyset_settled_to(CAST(:ids AS regclass), :marks)")
 # The same question with where the primary's WAL stood once it was answered (standbys.py): a
@@ -117,8 +121,7 @@ SETTLED_TO = sa.text("SELECT keyset_settled_to(CAST(:ids AS regclass), :marks)")
 # before its record is written.
 # The position is the primary's timeline with its place on it (Position).
 SETTLED_AT = sa.text(
-    "SELECT settled, ('x' || left(pg_walfile_name(pg_current_wal_insert_lsn()), 8))::bit(32)::int, "
-    "(pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "
+    f"SELECT settled, {TIMELINE}, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint FROM "  # noqa: S608 - constants
     "(SELECT keyset_settled_to(CAST(:ids AS regclass), :marks) AS settled OFFSET 0) AS asked"
 )
 # Where an app keeps its highest answer with its position, per table, for pages on standbys.
