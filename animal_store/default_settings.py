@@ -90,11 +90,13 @@ DATABASE_RETRY_AFTER = 5
 # shared cores: docs/deploy.rst, Overload), well below nginx's 35 s and the time most clients
 # wait. 0 sheds nothing.
 REQUEST_QUEUE_TIMEOUT = 10
-# Seconds a read of a request's body waits for the client under gunicorn (serving/worker.py)
-# before the request is answered 408: a client that stops sending then holds a worker this long,
-# not until gunicorn's timeout kills it (30 s). Well above the pauses of a client sending its
-# body through any network (a body is at most MAX_CONTENT_LENGTH, 64 KiB); behind nginx, which
-# reads the whole body first, it never passes. 0: wait as long as gunicorn lets a worker live.
+# Seconds a client reaching gunicorn directly has for its whole request line and headers, from
+# the connection (serving/worker.py), and then for its whole body: past either, it is answered
+# 408 (a connection that sent nothing is closed), so a client that sends nothing, or a byte a
+# second, holds a sync worker this long, not until gunicorn's timeout kills it (30 s). Well above
+# what any network takes for a head (8 KiB at most) or a body (MAX_CONTENT_LENGTH, 64 KiB);
+# behind nginx, which passes a request on only whole, they never pass. 0: no deadline.
+REQUEST_HEADER_TIMEOUT = 5
 REQUEST_BODY_TIMEOUT = 5
 
 # Level of the JSON log lines on stdout; INFO includes one line per request.

@@ -156,10 +156,19 @@ METHOD_NOT_ALLOWED = ErrorKind(
 REQUEST_TIMEOUT = ErrorKind(
     408,
     "request_timeout",
-    "The body stopped coming: nothing of it arrived for {seconds} seconds. Send the whole body "
+    "The body did not arrive whole within {seconds} seconds of the headers. Send the whole body "
     "without pausing; nothing was changed.",
-    "The client sent part of the body, then nothing for `REQUEST_BODY_TIMEOUT` seconds (gunicorn "
-    "reached directly: nginx reads the whole body before it passes the request on).",
+    "The client's body did not arrive whole within `REQUEST_BODY_TIMEOUT` seconds of its headers "
+    "(gunicorn reached directly: nginx reads the whole body before it passes the request on).",
+)
+HEAD_TIMEOUT = ErrorKind(
+    408,
+    "request_timeout",
+    "The request line and headers did not arrive whole within {seconds} seconds. Send the whole "
+    "request without pausing.",
+    "The client's request line and headers did not arrive whole within `REQUEST_HEADER_TIMEOUT` "
+    "seconds of the connection (gunicorn reached directly; nginx's own deadline is "
+    "`client_header_timeout`). A connection that sent nothing is closed without an answer.",
 )
 IDEMPOTENCY_KEY_IN_USE = ErrorKind(
     409,
@@ -501,16 +510,20 @@ def database_refusal(kind: ErrorKind = DATABASE_UNAVAILABLE) -> APIError:
     return kind(headers={"Retry-After": str(settings(current_app).DATABASE_RETRY_AFTER)})
 
 
-def raw_error_response(status: int, request_id: str) -> bytes:
-    """Return a whole HTTP/1.1 error response, for a server to send before any app runs.
+def raw_error_response(error: "int | APIError", request_id: str) -> bytes:
+    """Return a whole HTTP/1.1 error response, for a server to send before any app runs: the
+    catalogue's kind of a status, or an error with its message filled in.
 
     gunicorn answers requests it cannot parse (header or URL too long, bad chunked framing) on its
     own (the worker class, animal_store/serving/worker.py); the message is the catalogue's, never
     the server's, which may quote what the client sent (a header with a key). `request_id` is the
     answer's X-Request-ID, as every answer has one.
     """
-    kind = KIND_OF_STATUS.get(status, BAD_REQUEST)
-    body = orjson.dumps(error_body(kind))
+    if isinstance(error, APIError):
+        kind, message = error.kind, error.message
+    else:
+        kind, message = KIND_OF_STATUS.get(error, BAD_REQUEST), None
+    body = orjson.dumps(error_body(kind, message))
     head = (
         f"HTTP/1.1 {kind.status} {HTTPStatus(kind.status).phrase}\r\n"
         "Connection: close\r\n"

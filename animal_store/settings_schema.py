@@ -384,10 +384,17 @@ class Settings:
         "answered 503 unserved, by the worker that takes it (`Deploy <deploy.rst>`__, Overload); "
         "0: never",
     )
+    REQUEST_HEADER_TIMEOUT: float = setting(
+        seconds(at_least=0),
+        "Seconds a client has under gunicorn for its whole request line and headers, from the "
+        "connection, before it is answered 408 ``request_timeout`` (a connection that sent "
+        "nothing is closed without an answer); 0: no bound but gunicorn's ``timeout``",
+    )
     REQUEST_BODY_TIMEOUT: float = setting(
         seconds(at_least=0),
-        "Seconds a read of a request's body waits for the client under gunicorn before the "
-        "request is answered 408 ``request_timeout``; 0: no bound but gunicorn's ``timeout``",
+        "Seconds a client has under gunicorn for its whole body, from the end of its headers, "
+        "before the request is answered 408 ``request_timeout``; 0: no bound but gunicorn's "
+        "``timeout``",
     )
     LOG_LEVEL: str = setting(
         one_of(LOG_LEVELS),

@@ -199,6 +199,8 @@ BAD_VALUES = [
     ("DATABASE_RETRY_AFTER", "-1"),
     ("REQUEST_QUEUE_TIMEOUT", "-1"),
     ("REQUEST_QUEUE_TIMEOUT", '"10s"'),
+    ("REQUEST_HEADER_TIMEOUT", "-1"),
+    ("REQUEST_HEADER_TIMEOUT", '"5s"'),
     ("REQUEST_BODY_TIMEOUT", "-1"),
     ("REQUEST_BODY_TIMEOUT", '"5s"'),
     ("LOG_LEVEL", "info"),

@@ -23,7 +23,7 @@ from animal_store.extensions import db
 pytestmark = IN_SQLITE_PASS
 
 # Short enough for the test, long enough that no busy machine's pause reads as a stalled client.
-BODY_TIMEOUT = 1
+BODY_TIMEOUT = 2
 STALLED_BODIES = {
     "content-length": b"Content-Length: 100\r\n\r\n" + b'{"name":',
     "chunked": b"Transfer-Encoding: chunked\r\n\r\n8\r\n" + b'{"name":\r\n',
@@ -129,9 +129,7 @@ def test_an_answer_to_a_request_whose_body_was_not_read_arrives_whole(worker_gun
     assert (status, answer["code"]) == (401, "unauthorized")
 
 
-def test_a_client_sending_slowly_but_steadily_is_served(worker_gunicorn, api_key):
-    # The body timeout is between reads, not for the whole body: a client that sends its body
-    # over longer than the timeout, each piece within it, is served.
+def test_a_body_sent_in_pieces_within_the_deadline_is_served(worker_gunicorn, api_key):
     port, key = worker_gunicorn.port, api_key
     body = b'{"name": "Rex", "categoryId": 1}'
     head = (
@@ -139,20 +137,73 @@ def test_a_client_sending_slowly_but_steadily_is_served(worker_gunicorn, api_key
         + f"Content-Length: {len(body)}\r\n".encode()
     )
     connection = send(port, head, key, b"\r\n")
-    # Four pauses, 1.2 s in all, each well within the timeout on a busy machine.
-    sender = threading.Thread(target=trickle, args=(connection, body, BODY_TIMEOUT * 0.3))
-    sender.start()
-    sender.join()
+    # Four pauses, 0.4 s in all: a fifth of the deadline, which a busy machine's delays keep.
+    trickle(connection, body, BODY_TIMEOUT * 0.05, pieces=4)
     status, created, _ = read_answer(connection)
     assert (status, created["name"]) == (201, "Rex")
 
 
-def trickle(connection, body, pause):
-    """Send a body in four pieces, `pause` seconds apart."""
-    piece = len(body) // 4 + 1
-    for start in range(0, len(body), piece):
+def test_a_body_trickling_past_the_deadline_is_answered_408_at_the_deadline(
+    worker_gunicorn, api_key, count_pets
+):
+    # A byte every 0.2 s: no read waits long, which a bound on each read (gunicorn's, or this
+    # worker's before) never stopped; the deadline bounds the whole body.
+    port, key = worker_gunicorn.port, api_key
+    body = b'{"name": "Rex", "categoryId": 1}'
+    head = (
+        b"POST /v1/pets HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n".encode()
+    )
+    started = time.monotonic()
+    connection = send(port, head, key, b"\r\n")
+    sender = threading.Thread(target=trickle, args=(connection, body, 0.2, len(body)))
+    sender.start()
+    status, answer, _ = read_answer(connection)
+    answered_after = time.monotonic() - started
+    sender.join()
+    expected = errors.REQUEST_TIMEOUT.message.format(seconds=BODY_TIMEOUT)
+    assert (status, answer["code"], answer["message"]) == (408, "request_timeout", expected)
+    # The whole body would take 6.4 s.
+    assert BODY_TIMEOUT <= answered_after < BODY_TIMEOUT + 3
+    assert count_pets() == 0
+
+
+# A chunk size that says the body goes past the limit, and the answer nginx gives it at once.
+OVERSIZED_CHUNKS = {
+    "overflowing 64 bits": (b"ffffffffffffffff", 400, errors.MALFORMED_BODY),
+    "over the largest nginx takes": (b"8000000000000000", 400, errors.MALFORMED_BODY),
+    "the largest nginx takes": (b"7fffffffffffffff", 413, errors.PAYLOAD_TOO_LARGE),
+    "a byte over the limit": (
+        f"{MAX_CONTENT_LENGTH + 1:x}".encode(),
+        413,
+        errors.PAYLOAD_TOO_LARGE,
+    ),
+}
+
+
+@pytest.mark.parametrize("chunk", OVERSIZED_CHUNKS)
+def test_a_chunk_past_the_limit_is_refused_at_once(worker_gunicorn, api_key, count_pets, chunk):
+    # gunicorn read on, waiting for the bytes the size promised, until the body's deadline (408).
+    size, status, kind = OVERSIZED_CHUNKS[chunk]
+    head = b"POST /v1/pets HTTP/1.1\r\nContent-Type: application/json\r\n"
+    started = time.monotonic()
+    connection = send(worker_gunicorn.port, head, api_key, b"Transfer-Encoding: chunked\r\n\r\n")
+    connection.sendall(size + b'\r\n{"name":')
+    answered, answer, _ = read_answer(connection)
+    assert (answered, answer["code"]) == (status, kind.code)
+    assert time.monotonic() - started < BODY_TIMEOUT
+    assert count_pets() == 0
+
+
+def trickle(connection, body, pause, pieces):
+    """Send a body in `pieces` pieces, `pause` seconds apart; stop when the server has closed."""
+    size = -(-len(body) // pieces)
+    for start in range(0, len(body), size):
         time.sleep(pause)
-        connection.sendall(body[start : start + piece])
+        try:
+            connection.sendall(body[start : start + size])
+        except OSError:
+            return
 
 
 # Expect: 100-continue. A client that sends it waits for 100 Continue before it sends its body:

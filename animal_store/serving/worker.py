@@ -3,12 +3,14 @@
 config/gunicorn.conf.py names it (`worker_class`). What it changes, each in the method it
 overrides: the answer to a request gunicorn refuses itself (the API's error object, with the
 status nginx gives the same request, and an X-Request-ID); the time a worker waits for a
-connection, counted as idle, and the requests it counted, written between requests; a body that
-stops coming, refused 408 after REQUEST_BODY_TIMEOUT seconds instead of holding the worker; a
-body the client sends only once asked (Expect: 100-continue), asked for when the app first reads
-it, so that a refusal that needs no body comes instead; a request nginx gave up on while it
-waited for a worker, neither run nor answered but counted apart; and how a connection ends: at
-once when nothing is left to read, gracefully otherwise.
+connection, counted as idle, and the requests it counted, written between requests; deadlines
+for a client's whole head (REQUEST_HEADER_TIMEOUT) and whole body (REQUEST_BODY_TIMEOUT), so that
+a client that sends nothing, or sends slowly, holds a worker seconds, not until gunicorn kills it
+(the connection, class Connection); a chunk size beyond the body's limit refused at once; a body
+the client sends only once asked (Expect: 100-continue), asked for when the app first reads it,
+so that a refusal that needs no body comes instead; a request nginx gave up on while it waited
+for a worker, neither run nor answered but counted apart; and how a connection ends: at once when
+nothing is left to read, gracefully otherwise.
 
 gunicorn loads this class in its master, and the master must hold nothing of the release, so that
 a reload (HUP) puts the release on disk into service (tests/test_releases.py). So this module
@@ -28,12 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gunicorn import util
 from gunicorn.http import errors as http_errors
-from gunicorn.http.body import Body, LengthReader
+from gunicorn.http.body import Body, ChunkedReader, LengthReader
+from gunicorn.http.unreader import Unreader
 from gunicorn.workers.sync import SyncWorker
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
     from flask import Flask
-    from gunicorn.http.body import ChunkedReader, EOFReader
     from gunicorn.http.message import Request
 
     from animal_store.observability.metrics import RequestMetrics
@@ -42,6 +45,13 @@ PACKAGE = __name__.partition(".")[0]
 # The line that says a worker loaded the app and takes requests (docs/operations.rst, Upgrading):
 # it names the release the worker imported.
 READY = "Worker ready (pid: %s): animal-store %s"
+
+
+class HeadTimeout(http_errors.ParseException):
+    """A client sent part of its head, and not the rest within REQUEST_HEADER_TIMEOUT: answered
+    408 (REFUSAL_STATUS), as nginx's client_header_timeout would."""
+
+
 # What gunicorn's parser refuses, answered with the status nginx gives the same request
 # (docs/errors.rst); any other refusal of its parser is 400.
 REFUSAL_STATUS: tuple[tuple[type[BaseException], int], ...] = (
@@ -56,10 +66,17 @@ REFUSAL_STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (http_errors.UnsupportedTransferCoding, 501),
     (http_errors.ForbiddenProxyRequest, 403),
     (ssl.SSLError, 403),
+    (HeadTimeout, 408),
     (http_errors.ParseException, 400),
 )
 # What asks a client that sent `Expect: 100-continue` for its body (RFC 9110, section 10.1.1).
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Seconds a worker waits, once it has answered a client that missed a deadline, for the client to
+# stop sending, before it closes: time for the answer to be read before a reset could cut it,
+# short enough that a slow client holds the worker little past the deadline.
+LINGER = 0.5
+# The largest chunk size nginx takes (its off_t); a larger one is broken framing, answered 400.
+LARGEST_CHUNK = 2**63 - 1
 
 
 class Worker(SyncWorker):
@@ -68,8 +85,13 @@ class Worker(SyncWorker):
 
     # The app's request counts (observability/metrics.py), where the app is the store.
     counts: "RequestMetrics | None" = None
-    # Seconds a read of a request's body may wait for the client (REQUEST_BODY_TIMEOUT).
+    # Seconds a client has for its whole head, from the accept (REQUEST_HEADER_TIMEOUT), and for
+    # its whole body, from the head (REQUEST_BODY_TIMEOUT); None: as long as gunicorn lets a
+    # worker live.
+    head_timeout: float | None = None
     body_timeout: float | None = None
+    # The largest body the app takes (MAX_CONTENT_LENGTH), which a chunk may not go past.
+    body_limit: int | None = None
 
     @classmethod
     def setup(cls) -> None:
@@ -91,7 +113,9 @@ class Worker(SyncWorker):
 
             self.counts = request_metrics(cast("Flask", self.wsgi))
         config = getattr(self.wsgi, "config", {})
+        self.head_timeout = config.get("REQUEST_HEADER_TIMEOUT") or None
         self.body_timeout = config.get("REQUEST_BODY_TIMEOUT") or None
+        self.body_limit = config.get("MAX_CONTENT_LENGTH")
 
     def run(self) -> None:
         from animal_store.version import VERSION
@@ -134,6 +158,13 @@ class Worker(SyncWorker):
             if self.counts is not None:
                 self.counts.idle(time.monotonic() - started)
 
+    def handle(self, listener: socket.socket, client: socket.socket, addr: Any) -> None:
+        """Serve a connection whose reads end at its deadlines (class Connection): the head's
+        first, from now."""
+        connection = Connection.adopt(client)
+        connection.bound(self.head_timeout, late=HeadTimeout)
+        super().handle(listener, connection, addr)
+
     # types-gunicorn 26 has it return a bool; gunicorn 27's returns nothing.
     def handle_request(  # type: ignore[override]
         self, listener: socket.socket, req: "Request", client: socket.socket, addr: Any
@@ -144,19 +175,21 @@ class Worker(SyncWorker):
                 self.counts.abandoned()
             client.close()
             return
-        # A read of the body that waits longer than this raises TimeoutError in the app, which
-        # answers 408 (http/body.py); without it a client that stops sending holds the worker
-        # until gunicorn kills it (`timeout`, 30 s) and gets a 500.
-        client.settimeout(self.body_timeout)
-        # gunicorn 27 sends 100 Continue as soon as it has the request's headers (wsgi.create),
-        # before the app runs: the client then sends its whole body, which nothing reads, to get
-        # a 401 or a 413 the headers decided. Asked for on the app's first read instead, so that
-        # such a refusal is the answer the client waits for, and it sends none of the body.
-        # (_expected_100_continue is gunicorn's; types-gunicorn 26 has it not.)
-        if req._expected_100_continue and req.body is not None:  # type: ignore[attr-defined]
-            req._expected_100_continue = False  # type: ignore[attr-defined]
-            req.body = ContinueOnRead(req.body.reader, client)
+        if isinstance(client, Connection):
+            # The body's deadline, from the end of the head: a read past it raises TimeoutError
+            # in the app, which answers 408 (http/body.py).
+            client.bound(self.body_timeout, late=TimeoutError)
+        if req.body is not None and isinstance(req.body.reader, ChunkedReader) and self.body_limit:
+            # (Nothing of the body is read yet: gunicorn's reader parses only as the app reads.)
+            req.body = Body(BoundedChunks(req, req.unreader, self.body_limit))
         super().handle_request(listener, req, client, addr)
+        if isinstance(client, Connection):
+            client.unbound()
+            if client.timed_out:
+                # It had its 408; its slow bytes may go on coming, which gunicorn's graceful
+                # end would wait for up to 2 s.
+                util.close_graceful(client, timeout=LINGER)
+                return
         # The answer is written. gunicorn ends the connection gracefully (util.close_graceful):
         # it shuts down its side and waits for the peer's, up to 2 s, so that the kernel sends
         # no reset for bytes the app left unread, which could cut the answer. Where nothing is
@@ -170,7 +203,7 @@ class Worker(SyncWorker):
         self, req: "Request | None", client: socket.socket, addr: Any, exc: BaseException
     ) -> None:
         """Answer what gunicorn refuses (or an error outside the app) with the error object."""
-        from animal_store.errors import raw_error_response
+        from animal_store.errors import HEAD_TIMEOUT, raw_error_response
         from animal_store.http.request_id import NEW_IDS, VALID_REQUEST_ID
 
         request = req or getattr(exc, "req", None)
@@ -189,35 +222,115 @@ class Worker(SyncWorker):
             self.log.warning("Invalid request from ip=%s: %s", ip, exc, extra=fields)
         try:
             # The catalogue's message, never gunicorn's: that may quote what the client sent.
-            util.write_nonblock(client, raw_error_response(status, request_id))
+            late = isinstance(exc, HeadTimeout)
+            answer = HEAD_TIMEOUT(seconds=f"{self.head_timeout:g}") if late else status
+            util.write_nonblock(client, raw_error_response(answer, request_id))
         except OSError:
             self.log.debug("Failed to send error message.")
+        if isinstance(exc, HeadTimeout):
+            # As after a body's 408 (handle_request): not gunicorn's 2 s for its slow bytes.
+            util.close_graceful(client, timeout=LINGER)
 
 
-class ContinueOnRead(Body):
-    """The body of a request whose client waits for 100 Continue before it sends the body: sent
-    on the first read, when the app wants the body. An app that answers without reading it (a
-    request without a key, a Content-Length over MAX_CONTENT_LENGTH) never asks for it."""
+class Connection(socket.socket):
+    """A client's connection, whose reads end at a deadline: its whole head within
+    REQUEST_HEADER_TIMEOUT of the accept, its whole body within REQUEST_BODY_TIMEOUT of the head.
 
-    def __init__(
-        self, reader: "ChunkedReader | LengthReader | EOFReader", client: socket.socket
-    ) -> None:
-        super().__init__(reader)
-        self.client = client
-        self.asked = False
+    gunicorn's reads of a client wait as long as the client sends nothing: a client that sent
+    nothing, or a byte a second of its head or of its body, held a sync worker until gunicorn
+    killed it (30 s, a 500), and as many such clients as workers stopped the instance. A bound
+    on each read would not do: a byte a second never waits long. The deadline bounds the whole.
 
-    def read(self, size: int | None = None) -> bytes:
-        self.ask()
-        return super().read(size)
+    A read past the head's deadline raises HeadTimeout (answered 408), or closes the connection
+    quietly if nothing came at all (an idle connection, which nginx closes so too); past the
+    body's, TimeoutError, which the app answers 408.
 
-    def readline(self, size: int | None = None) -> bytes:
-        self.ask()
-        return super().readline(size)
+    And the 100 Continue gunicorn 27 sends as soon as it has the head (wsgi.create), before the
+    app runs, is held until the app first reads the body: the client then sends no body to get a
+    401 or a 413 that the headers decided. (tests/test_worker.py fails if an upgrade sends it
+    another way.)
+    """
 
-    def ask(self) -> None:
-        if not self.asked:
-            self.asked = True
-            self.client.sendall(CONTINUE)
+    deadline: float | None = None
+    late: type[Exception] = TimeoutError
+    # Seconds each write may wait (the body's timeout, as before the deadlines), outside reads.
+    write_timeout: float | None = None
+    received = 0
+    timed_out = False
+    continue_held = False
+
+    @classmethod
+    def adopt(cls, client: socket.socket) -> "Connection":
+        """Return `client` as a Connection: the same socket, which `client` lets go."""
+        return cls(client.family, client.type, client.proto, fileno=client.detach())
+
+    def bound(self, seconds: float | None, late: type[Exception]) -> None:
+        """Make the reads from now on end `seconds` from now, raising `late`; None: unbounded."""
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.late = late
+        if late is TimeoutError:
+            self.write_timeout = seconds
+            self.settimeout(seconds)
+
+    def unbound(self) -> None:
+        """End the deadlines and the held 100 Continue: the request is answered."""
+        self.deadline = None
+        self.continue_held = False
+
+    def recv(self, bufsize: int, flags: int = 0, /) -> bytes:
+        if self.continue_held and not flags & socket.MSG_PEEK:
+            self.continue_held = False
+            super().sendall(CONTINUE)
+        if self.deadline is None:
+            return super().recv(bufsize, flags)
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            self.settimeout(left)
+            data = super().recv(bufsize, flags)
+        except TimeoutError:
+            self.timed_out = True
+            self.deadline = None
+            self.settimeout(self.write_timeout)
+            if self.late is HeadTimeout and not self.received:
+                # Nothing came: closed quietly, as gunicorn does a client that closed first.
+                self.close()
+                raise http_errors.NoMoreData() from None
+            raise self.late() from None
+        self.settimeout(self.write_timeout)
+        self.received += len(data)
+        return data
+
+    def send(self, data: "ReadableBuffer", flags: int = 0, /) -> int:
+        if data == CONTINUE:
+            self.continue_held = True
+            return len(CONTINUE)
+        return super().send(data, flags)
+
+
+class BoundedChunks(ChunkedReader):
+    """gunicorn's reader of a chunked body, refusing a chunk as soon as its size says it takes the
+    body past the app's limit, as nginx does: gunicorn would read on, and wait, for bytes the app
+    never takes. A size beyond nginx's largest (an overflow) is broken framing, answered 400; one
+    within it, 413."""
+
+    def __init__(self, req: "Request", unreader: Unreader, limit: int) -> None:
+        super().__init__(req, unreader)
+        self.left = limit
+
+    def parse_chunk_size(
+        self, unreader: Unreader, data: bytes | None = None
+    ) -> tuple[int, bytes | None]:
+        size, rest = super().parse_chunk_size(unreader, data)
+        if size > LARGEST_CHUNK:
+            raise http_errors.InvalidChunkSize(b"")
+        self.left -= size
+        if self.left < 0:
+            from werkzeug.exceptions import RequestEntityTooLarge
+
+            raise RequestEntityTooLarge()
+        return size, rest
 
 
 def refusal_status(exc: BaseException, request: "Request | None") -> int:
@@ -261,18 +374,15 @@ def abandoned(req: "Request", client: socket.socket) -> bool:
 
 
 def nothing_left_to_read(req: "Request", client: socket.socket) -> bool:
-    """Whether closing now can cut no answer: the body was read to its end (none, for a GET), or
-    reading it failed (a client that stopped sending it has had its 408), and the kernel holds
-    nothing more from the client, so that closing sends no reset; on plain TCP. An unread body, a
-    chunked one, bytes sent after the request and TLS (whose socket cannot peek) keep the graceful
-    end."""
+    """Whether closing now can cut no answer: the body was read to its end (none, for a GET), and
+    the kernel holds nothing more from the client, so that closing sends no reset; on plain TCP.
+    An unread body, a chunked one, broken framing, bytes sent after the request and TLS (whose
+    socket cannot peek) keep the graceful end."""
     body = req.body
     if body is None or isinstance(client, ssl.SSLSocket):
         return False
     reader = body.reader
-    read_whole = isinstance(reader, LengthReader) and reader.length == 0
-    # (Body.failed is gunicorn 27's; types-gunicorn 26 has it not.)
-    if not (read_whole or body.failed):  # type: ignore[attr-defined]
+    if not (isinstance(reader, LengthReader) and reader.length == 0):
         return False
     # Non-blocking: with a timeout set, Python would wait for something to read first.
     client.setblocking(False)
