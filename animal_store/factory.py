@@ -11,7 +11,7 @@ from flask import Blueprint, Flask
 
 from animal_store import openapi, pets
 from animal_store.access import auth
-from animal_store.api import register_api
+from animal_store.api import declared_query_parameters, register_api
 from animal_store.commands.cli import register_commands
 from animal_store.data import answers, keyset
 from animal_store.data.database_faults import init_database_faults
@@ -27,7 +27,7 @@ from animal_store.http.request_id import add_request_id_header
 from animal_store.http.security_headers import security_headers
 from animal_store.http.shedding import init_shedding
 from animal_store.observability import health
-from animal_store.observability.logs import configure_logging, log_request, start_timer
+from animal_store.observability.logs import configure_logging, request_log, start_timer
 from animal_store.observability.metrics import init_metrics
 from animal_store.settings import load_settings
 
@@ -72,7 +72,9 @@ def create_app(
             metrics.observe,
             security_headers(private=policies.requires_key),
             add_request_id_header,
-            log_request,
+            # Only the values of the query parameters the document declares are logged: any
+            # other may hold a key (?api_key=...).
+            request_log(declared_query_parameters(app)),
         ),
     )
     return app

@@ -10,6 +10,7 @@ import ssl
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -240,6 +241,51 @@ def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, 
     assert api_key not in output
     assert "Bearer" not in output
     assert api_key not in nginx.access_log() + nginx.error_log()
+
+
+# A key sent in the query, where a client might put it: each URL is refused 401 (the key is not
+# read there), and neither nginx's access log nor the app's request line may hold it.
+KEY_IN_QUERY = {
+    "api-key": "/v1/pets/1?api_key={key}",
+    "access-token": "/v1/pets?access_token={key}",
+    "unknown-parameter": "/v1/pets?limit=1&x={key}",
+    "declared-name-in-other-case": "/v1/pets?LIMIT={key}&Status={key}",
+    "alone": "/v1/pets?{key}",
+}
+
+
+def access_log_line(nginx, response):
+    """nginx's access log line of this response, once nginx has written it (after the answer)."""
+    request_id = response.headers["X-Request-ID"]
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(text) for text in nginx.access_log().splitlines()]
+        found = [line for line in lines if line["request_id"] == request_id]
+        if found or time.monotonic() > deadline:
+            [line] = found
+            return line
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("url", KEY_IN_QUERY.values(), ids=KEY_IN_QUERY.keys())
+def test_a_key_in_the_query_never_reaches_a_log(edge, session, url):
+    response = session.get(edge.nginx.url + url.format(key=edge.key))
+    assert response.status_code == 401
+    assert access_log_line(edge.nginx, response)["path"] == url.partition("?")[0]
+    [app_line] = edge.request_lines()
+    assert edge.key not in edge.nginx.access_log() + edge.nginx.error_log()
+    assert edge.key not in json.dumps(app_line)
+
+
+def test_nginx_logs_the_path_and_the_defined_parameters(edge, session):
+    query = "limit=1&status=sold&x=secret"
+    response = session.get(f"{edge.nginx.url}/v1/pets?{query}", headers=edge.auth)
+    assert response.status_code == 200
+    line = access_log_line(edge.nginx, response)
+    assert (line["path"], line["status"]) == ("/v1/pets", 200)
+    assert line["query"] == {"limit": "1", "status": "sold", "cursor": ""}
+    [app_line] = edge.request_lines()
+    assert app_line["query"] == "limit=1&status=sold&x=***"
 
 
 PROTOCOLS = ["HTTP/1.1", "HTTP/2"]
