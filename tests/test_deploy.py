@@ -353,7 +353,7 @@ def http(request, certificate):
 
 def catalogue_body(status):
     """The app's error object for the condition nginx (or gunicorn) refuses with `status`."""
-    kind = errors.KIND_OF_STATUS[status]
+    kind = errors.NGINX_KINDS[status]
     return errors.error_body(kind, kind.message.format(limit=default_settings.MAX_CONTENT_LENGTH))
 
 
@@ -390,6 +390,29 @@ def test_refusals_at_the_edge_are_the_apps_error_objects(edge, http, request_kwa
     response = http.request(url=url, headers=headers, **kwargs)
     assert_error_object(response, status, http.protocol)
     assert edge.request_lines() == []
+
+
+def test_trace_is_refused_with_the_error_object(edge, http):
+    """nginx refuses TRACE itself, on every path, before the app could: the catalogue's 405."""
+    for path in ("/v1/pets", "/v1/pets/1", "/nowhere"):
+        response = http.request("TRACE", edge.nginx.url + path, headers=edge.auth)
+        assert_error_object(response, 405, http.protocol)
+    assert edge.request_lines() == []
+
+
+@pytest.mark.parametrize("version", ["HTTP/2.0", "HTTP/3.0"])
+def test_an_http_version_nginx_does_not_speak_is_the_error_object(edge, certificate, version):
+    """In a request line, over TLS (an HTTP/2 connection has no request line)."""
+    context = ssl.create_default_context(cafile=str(certificate[0]))
+    connection = Connection(edge.nginx.https_port, context)
+    try:
+        connection.send_raw(version, "GET", "/v1/pets", [], b"")
+        status, headers, content = connection.read_response()
+    finally:
+        connection.close()
+    assert status == 505
+    assert headers["content-type"] == "application/json"
+    assert json.loads(content) == catalogue_body(505)
 
 
 def h2_request(port, tls_context, method, path, headers, body):
