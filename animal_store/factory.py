@@ -21,6 +21,7 @@ from animal_store.data.standbys import init_standbys
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.hooks import AnimalStore, register_hooks
 from animal_store.http.body import refuse_unsupported_framing
+from animal_store.http.host import refuse_malformed_host
 from animal_store.http.json_provider import OrjsonProvider
 from animal_store.http.proxies import trust_proxies
 from animal_store.http.request_id import add_request_id_header
@@ -67,7 +68,13 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, *init_shedding(app), *start_deadline, refuse_unsupported_framing),
+        before=(
+            start_timer,
+            refuse_malformed_host,
+            *init_shedding(app),
+            *start_deadline,
+            refuse_unsupported_framing,
+        ),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),
