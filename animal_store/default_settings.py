@@ -68,6 +68,11 @@ OPENAPI_SERVERS = [
     {"url": "https://staging.api.animal-store.example/v1", "description": "Staging"},
 ]
 
+# The deployment's own address, scheme and host (and port), such as "https://api.example.com":
+# the links the service writes (Location, Link) are on it, whatever Host a request names. None:
+# on the scheme and host the request reached, which only nginx checking the Host makes safe.
+PUBLIC_URL = None
+
 # Idempotency-Keys (POST /v1/pets) are remembered this many seconds (24 hours), then purged.
 IDEMPOTENCY_TTL = 24 * 60 * 60
 # Seconds after which a record claimed without an answer by a release before this one (which

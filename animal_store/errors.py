@@ -153,6 +153,13 @@ METHOD_NOT_ALLOWED = ErrorKind(
     "The path does not have this method.",
     ("Allow",),
 )
+TRACE_NOT_ALLOWED = ErrorKind(
+    405,
+    "method_not_allowed",
+    "Method TRACE is not allowed on any path.",
+    "A `TRACE` request: nginx refuses it on every path before any route is chosen (answered "
+    "by nginx, without `Allow`, which would be each path's own).",
+)
 REQUEST_TIMEOUT = ErrorKind(
     408,
     "request_timeout",
@@ -316,6 +323,12 @@ GATEWAY_TIMEOUT = ErrorKind(
     "The service did not answer in time.",
     "The service did not answer nginx in time.",
 )
+HTTP_VERSION_NOT_SUPPORTED = ErrorKind(
+    505,
+    "http_version_not_supported",
+    "The HTTP version of the request is not supported; use HTTP/1.1 or HTTP/2.",
+    "A request line with an HTTP version other than 1.0 or 1.1 (answered by nginx).",
+)
 
 CATALOGUE = tuple(kind for kind in globals().values() if isinstance(kind, ErrorKind))
 
@@ -338,6 +351,7 @@ KIND_OF_STATUS = {
     502: BAD_GATEWAY,
     503: SERVICE_UNAVAILABLE,
     504: GATEWAY_TIMEOUT,
+    505: HTTP_VERSION_NOT_SUPPORTED,
 }
 
 # How the drivers name a unique constraint's refusal: PostgreSQL's SQLSTATE, SQLite's extended
@@ -571,9 +585,10 @@ def register_error_handlers(app: Flask) -> None:
 
 
 # What nginx answers itself (config/nginx.conf, error_page), by the status it answers with.
-NGINX_ANSWERS = (400, 413, 414, 417, 429, 431, 500, 501, 502, 503, 504)
-# nginx's own kind where it is not the app's kind of the status: its 429 is limit_conn's.
-NGINX_KINDS = {**KIND_OF_STATUS, 429: TOO_MANY_CONNECTIONS}
+NGINX_ANSWERS = (400, 405, 413, 414, 417, 429, 431, 500, 501, 502, 503, 504, 505)
+# nginx's own kind where it is not the app's kind of the status: its 405 is TRACE's (every other
+# method reaches the app), its 429 limit_conn's.
+NGINX_KINDS = {**KIND_OF_STATUS, 405: TRACE_NOT_ALLOWED, 429: TOO_MANY_CONNECTIONS}
 # Retry-After of nginx's answers that carry one: limit_conn's 429 frees as soon as one of the
 # address's requests ends; the others are outages, retried as the app's 503 asks.
 NGINX_RETRY_AFTER = {429: 1}

@@ -11,7 +11,7 @@ from flask import Blueprint, Flask
 
 from animal_store import openapi, pets
 from animal_store.access import auth
-from animal_store.api import register_api
+from animal_store.api import declared_query_parameters, register_api
 from animal_store.commands.cli import register_commands
 from animal_store.data import answers, keyset
 from animal_store.data.database_faults import init_database_faults
@@ -21,13 +21,14 @@ from animal_store.data.standbys import init_standbys
 from animal_store.extensions import db, migrate, tune_sqlite_connections
 from animal_store.hooks import AnimalStore, register_hooks
 from animal_store.http.body import refuse_unsupported_framing
+from animal_store.http.host import refuse_malformed_host
 from animal_store.http.json_provider import OrjsonProvider
 from animal_store.http.proxies import trust_proxies
 from animal_store.http.request_id import add_request_id_header
 from animal_store.http.security_headers import security_headers
 from animal_store.http.shedding import init_shedding
 from animal_store.observability import health
-from animal_store.observability.logs import configure_logging, log_request, start_timer
+from animal_store.observability.logs import configure_logging, request_log, start_timer
 from animal_store.observability.metrics import init_metrics
 from animal_store.settings import load_settings
 
@@ -67,12 +68,20 @@ def create_app(
     metrics = init_metrics(app)
     register_hooks(
         app,
-        before=(start_timer, *init_shedding(app), *start_deadline, refuse_unsupported_framing),
+        before=(
+            start_timer,
+            refuse_malformed_host,
+            *init_shedding(app),
+            *start_deadline,
+            refuse_unsupported_framing,
+        ),
         after=(
             metrics.observe,
             security_headers(private=policies.requires_key),
             add_request_id_header,
-            log_request,
+            # Only the values of the query parameters the document declares are logged: any
+            # other may hold a key (?api_key=...).
+            request_log(declared_query_parameters(app)),
         ),
     )
     return app

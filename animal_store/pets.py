@@ -20,6 +20,7 @@ from animal_store.idempotency import (
     idempotent,
     remember,
 )
+from animal_store.links import absolute_url
 from animal_store.schemas import INT64_MAX, ListQuery, ListQuerySchema, NewPetSchema, PetSchema
 
 bp = Blueprint("pets", __name__)
@@ -93,7 +94,7 @@ def create_pet(pet: NewPet) -> Response:
     """Add an animal and return it with its new id."""
     with creation_transaction() as connection:
         pet_id = store.add_pet(connection, pet)
-        location = url_for(".get_pet", pet_id=pet_id, _external=True)
+        location = absolute_url(url_for(".get_pet", pet_id=pet_id))
         body = pet_schema.dump({**pet, "id": pet_id})
         response = make_response(body, 201, {"Location": location})
         # The answer a retry with the same Idempotency-Key gets, committed with the animal.

@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from limits import parse_many
 from marshmallow import Schema, ValidationError, fields, validates_schema
@@ -192,6 +192,23 @@ def check_server_url(url: str) -> None:
         raise ValueError(url)
 
 
+def check_public_url(url: str) -> None:
+    parts = urlsplit(url)
+    # An origin only: the links' paths are the app's own (its root path included).
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.password is not None
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or url != f"{parts.scheme}://{parts.netloc}"
+    ):
+        raise ValueError(url)
+    _ = parts.port  # ValueError for a port that is no number or out of range
+
+
 def rate_limit(off: bool = False) -> fields.Field[Any]:
     expected = 'a rate limit such as "100/second" or "6000 per minute"'
     return expecting(
@@ -357,6 +374,19 @@ class Settings:
             f"each URL ending in {BASE_PATH}",
         ),
         "The OpenAPI document's servers: where this deployment answers (`API <api.rst>`__)",
+    )
+    PUBLIC_URL: str | None = setting(
+        expecting(
+            fields.String(
+                allow_none=True,
+                validate=validator(check_public_url, "Not an http(s) origin."),
+            ),
+            "an origin, scheme and host with an optional port and no path, such as "
+            '"https://api.example.com", or null',
+        ),
+        "The deployment's own address: ``Location`` (createPet) and ``Link`` (listPets' pages) "
+        "are written on it, whatever ``Host`` a request names. ``null``: on the scheme and host "
+        "the request reached (`Deploy <deploy.rst>`__, Links and the Host header)",
     )
     IDEMPOTENCY_TTL: float = setting(
         seconds(above=0), "Seconds an ``Idempotency-Key`` is remembered"

@@ -10,6 +10,7 @@ import ssl
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -170,15 +171,27 @@ def test_missing_key_through_nginx_is_the_apps_401(edge, session):
     assert response.json()["code"] == "unauthorized"
 
 
-def test_urls_use_the_public_scheme_and_host(edge, session):
-    public = {**edge.auth, "Host": "api.animal-store.example"}
-    public_url = f"https://api.animal-store.example:{edge.nginx.https_port}"
-    for n in range(2):
-        created = session.post(
-            f"{edge.nginx.url}/v1/pets", json={"name": "Rex", "categoryId": n}, headers=public
-        )
-        assert created.headers["Location"] == f"{public_url}/v1/pets/{created.json()['id']}"
-    page = session.get(f"{edge.nginx.url}/v1/pets?limit=1", headers=public)
+@pytest.mark.parametrize("host", ["evil.example", "a@evil.example", ""])
+def test_links_through_nginx_are_on_the_public_url_whatever_the_host(
+    start_gunicorn, start_nginx, session, auth, host
+):
+    public_url = "https://api.animal-store.example"
+    gunicorn = start_gunicorn(workers=1, env={"ANIMAL_STORE_PUBLIC_URL": public_url})
+    nginx = start_nginx([address(gunicorn)])
+    headers = {**auth, "Host": host}
+    created = session.post(
+        f"{nginx.url}/v1/pets", json={"name": "Rex", "categoryId": 1}, headers=headers
+    )
+    if host in ("a@evil.example", ""):
+        # Refused 400 with the error object, no link at all: the empty Host by nginx, the other
+        # by the app (nginx passes it on; Werkzeug cannot read it).
+        assert created.status_code == 400
+        assert created.json()["code"] == "bad_request"
+        assert "Location" not in created.headers
+        return
+    assert created.headers["Location"] == f"{public_url}/v1/pets/{created.json()['id']}"
+    session.post(f"{nginx.url}/v1/pets", json={"name": "Rex", "categoryId": 2}, headers=headers)
+    page = session.get(f"{nginx.url}/v1/pets?limit=1", headers=headers)
     assert page.links["next"]["url"].startswith(f"{public_url}/v1/pets?")
 
 
@@ -240,6 +253,51 @@ def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, 
     assert api_key not in output
     assert "Bearer" not in output
     assert api_key not in nginx.access_log() + nginx.error_log()
+
+
+# A key sent in the query, where a client might put it: each URL is refused 401 (the key is not
+# read there), and neither nginx's access log nor the app's request line may hold it.
+KEY_IN_QUERY = {
+    "api-key": "/v1/pets/1?api_key={key}",
+    "access-token": "/v1/pets?access_token={key}",
+    "unknown-parameter": "/v1/pets?limit=1&x={key}",
+    "declared-name-in-other-case": "/v1/pets?LIMIT={key}&Status={key}",
+    "alone": "/v1/pets?{key}",
+}
+
+
+def access_log_line(nginx, response):
+    """nginx's access log line of this response, once nginx has written it (after the answer)."""
+    request_id = response.headers["X-Request-ID"]
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(text) for text in nginx.access_log().splitlines()]
+        found = [line for line in lines if line["request_id"] == request_id]
+        if found or time.monotonic() > deadline:
+            [line] = found
+            return line
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("url", KEY_IN_QUERY.values(), ids=KEY_IN_QUERY.keys())
+def test_a_key_in_the_query_never_reaches_a_log(edge, session, url):
+    response = session.get(edge.nginx.url + url.format(key=edge.key))
+    assert response.status_code == 401
+    assert access_log_line(edge.nginx, response)["path"] == url.partition("?")[0]
+    [app_line] = edge.request_lines()
+    assert edge.key not in edge.nginx.access_log() + edge.nginx.error_log()
+    assert edge.key not in json.dumps(app_line)
+
+
+def test_nginx_logs_the_path_and_the_defined_parameters(edge, session):
+    query = "limit=1&status=sold&x=secret"
+    response = session.get(f"{edge.nginx.url}/v1/pets?{query}", headers=edge.auth)
+    assert response.status_code == 200
+    line = access_log_line(edge.nginx, response)
+    assert (line["path"], line["status"]) == ("/v1/pets", 200)
+    assert line["query"] == {"limit": "1", "status": "sold", "cursor": ""}
+    [app_line] = edge.request_lines()
+    assert app_line["query"] == "limit=1&status=sold&x=***"
 
 
 PROTOCOLS = ["HTTP/1.1", "HTTP/2"]
@@ -307,7 +365,7 @@ def http(request, certificate):
 
 def catalogue_body(status):
     """The app's error object for the condition nginx (or gunicorn) refuses with `status`."""
-    kind = errors.KIND_OF_STATUS[status]
+    kind = errors.NGINX_KINDS[status]
     return errors.error_body(kind, kind.message.format(limit=default_settings.MAX_CONTENT_LENGTH))
 
 
@@ -344,6 +402,29 @@ def test_refusals_at_the_edge_are_the_apps_error_objects(edge, http, request_kwa
     response = http.request(url=url, headers=headers, **kwargs)
     assert_error_object(response, status, http.protocol)
     assert edge.request_lines() == []
+
+
+def test_trace_is_refused_with_the_error_object(edge, http):
+    """nginx refuses TRACE itself, on every path, before the app could: the catalogue's 405."""
+    for path in ("/v1/pets", "/v1/pets/1", "/nowhere"):
+        response = http.request("TRACE", edge.nginx.url + path, headers=edge.auth)
+        assert_error_object(response, 405, http.protocol)
+    assert edge.request_lines() == []
+
+
+@pytest.mark.parametrize("version", ["HTTP/2.0", "HTTP/3.0"])
+def test_an_http_version_nginx_does_not_speak_is_the_error_object(edge, certificate, version):
+    """In a request line, over TLS (an HTTP/2 connection has no request line)."""
+    context = ssl.create_default_context(cafile=str(certificate[0]))
+    connection = Connection(edge.nginx.https_port, context)
+    try:
+        connection.send_raw(version, "GET", "/v1/pets", [], b"")
+        status, headers, content = connection.read_response()
+    finally:
+        connection.close()
+    assert status == 505
+    assert headers["content-type"] == "application/json"
+    assert json.loads(content) == catalogue_body(505)
 
 
 def h2_request(port, tls_context, method, path, headers, body):

@@ -79,12 +79,83 @@ def test_one_json_line_per_request(client, auth, capsys):
     assert line["level"] == "INFO"
     assert line["logger"] == "animal_store.request"
     assert line["request_id"] == "req-1"
-    assert (line["method"], line["path"], line["query"]) == ("POST", "/v1/pets", "dry=1")
+    # createPet declares no query parameter: the name is kept, the value is not.
+    assert (line["method"], line["path"], line["query"]) == ("POST", "/v1/pets", "dry=***")
     assert line["status"] == 201
     assert line["duration_ms"] >= 0
     assert line["remote_addr"] == "192.0.2.7"
     assert line["api_key_name"] == "tester"
     assert line["api_key_prefix"] == auth["Authorization"].removeprefix("Bearer ")[:10]
+
+
+# A query as sent, and as the request line writes it: the values of the parameters the
+# operation declares (listPets: limit, status, cursor) as sent, every other value masked.
+MASKED_QUERIES = {
+    "api-key": ("/v1/pets?api_key={key}", "api_key=***"),
+    "access-token": ("/v1/pets?limit=5&access_token={key}", "limit=5&access_token=***"),
+    "unknown-parameter": ("/v1/pets?x-token={key}&status=sold", "x-token=***&status=sold"),
+    "repeated": ("/v1/pets?key=1&key={key}", "key=***&key=***"),
+    "escaped-name": ("/v1/pets?api%5Fkey={key}&lim%69t=3", "api%5Fkey=***&lim%69t=3"),
+    "bare-key": ("/v1/pets?{key}", "***"),
+    "empty-parts": ("/v1/pets?&limit=2&&token={key}", "&limit=2&&token=***"),
+    "operation-without-parameters": ("/v1/pets/1?limit={key}", "limit=***"),
+    "no-route": ("/v1/nowhere?limit={key}", "limit=***"),
+    "public-route": ("/healthz?api_key={key}", "api_key=***"),
+}
+
+
+@pytest.mark.parametrize(("url", "logged"), MASKED_QUERIES.values(), ids=MASKED_QUERIES.keys())
+def test_query_values_not_declared_are_masked(client, api_key, capsys, url, logged):
+    capsys.readouterr()
+    client.get(url.format(key=api_key))
+    output = capsys.readouterr().out
+    [line] = [json.loads(text) for text in output.splitlines()]
+    assert line["query"] == logged
+    assert api_key not in output
+
+
+NGINX_CONFIG = PROJECT_DIR / "config" / "nginx.conf"
+# One map per query parameter nginx logs: the first value of exactly that name, from $args.
+NGINX_PARAMETER_MAP = re.compile(
+    r'^map \$args \$(\w+) \{\n    "~\(\?:\^\|&\)(\w+)=\(\?<(\w+)>\[\^&\]\*\)" \$\3;\n'
+    r'    default "";\n\}$',
+    re.MULTILINE,
+)
+
+
+def nginx_log_format():
+    """The text of the shipped access log format, its quoted pieces joined."""
+    directive = re.search(
+        r"^log_format animal_store_json escape=json\n(.*?);$",
+        NGINX_CONFIG.read_text(),
+        re.MULTILINE | re.DOTALL,
+    )
+    return "".join(re.findall(r"'([^']*)'", directive[1]))
+
+
+def test_nginx_logs_the_values_of_exactly_the_query_parameters_the_service_defines(client):
+    document = client.get("/v1/openapi.json").json
+    defined = {
+        parameter["name"]
+        for path in document["paths"].values()
+        for operation in path.values()
+        if isinstance(operation, dict)
+        for parameter in operation.get("parameters", [])
+        if parameter["in"] == "query"
+    }
+    log_format = nginx_log_format()
+    # Nothing that holds the query as sent: not the URI, the request line or the arguments.
+    for variable in ("$request_uri", "$request ", '$request"', "$args", "$query_string", "$arg_"):
+        assert variable not in log_format
+    maps = {
+        variable: name
+        for variable, name, _ in NGINX_PARAMETER_MAP.findall(NGINX_CONFIG.read_text())
+    }
+    query = re.search(r'"query":\{([^}]*)\}', log_format)[1]
+    logged = dict(re.findall(r'"(\w+)":"\$(\w+)"', query))
+    assert {name: maps.get(variable) for name, variable in logged.items()} == {
+        name: name for name in defined
+    }
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer"])

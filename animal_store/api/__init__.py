@@ -29,6 +29,7 @@ from animal_store.api.declarations import (
     public,
     view_doc,
 )
+from animal_store.api.document import declared_query_parameters
 from animal_store.api.headers import Header
 from animal_store.api.layer import LAYER, register_api
 from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE, Policies
@@ -44,6 +45,7 @@ __all__ = [
     "declare_errors",
     "declare_parameter",
     "declare_response",
+    "declared_query_parameters",
     "public",
     "register_api",
     "view_doc",

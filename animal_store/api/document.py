@@ -19,6 +19,7 @@ from animal_store import errors
 from animal_store.api.declarations import OperationDoc
 from animal_store.api.headers import DEPRECATION_HEADERS, ERROR_HEADERS, RATE_LIMIT_HEADERS, Header
 from animal_store.api.policies import SCOPE_OF_METHOD, WRITE_SCOPE
+from animal_store.contract import BASE_PATH
 from animal_store.schemas import EnumField, ErrorSchema, Int64
 from animal_store.settings_schema import Deprecation
 
@@ -240,3 +241,23 @@ def deprecation_note(deprecation: "Deprecation") -> str:
         f"{format_datetime(deprecation['sunset'], usegmt=True)}`). "
         f"Use `GET {deprecation['successor']}` (listPets) with the `status` filter instead."
     )
+
+
+def declared_query_parameters(app: Flask) -> dict[str, frozenset[str]]:
+    """Return, by endpoint, the names of the query parameters its operations declare, read from
+    the document the app serves: the one list of what the service defines (the request log
+    writes these values alone; tests/test_deploy.py holds nginx's log format to it)."""
+    api: Api = app.extensions["flask-smorest"]["apis"][""]["ext_obj"]
+    paths = api.spec.to_dict()["paths"]
+    to_path = FlaskPlugin(BASE_PATH).flaskpath2openapi
+    declared: dict[str, frozenset[str]] = {}
+    for rule in app.url_map.iter_rules():
+        operations = paths.get(to_path(rule.rule), {})
+        names = {
+            parameter["name"]
+            for method in rule.methods or ()
+            for parameter in operations.get(method.lower(), {}).get("parameters", [])
+            if parameter["in"] == "query"
+        }
+        declared[rule.endpoint] = declared.get(rule.endpoint, frozenset()) | names
+    return declared

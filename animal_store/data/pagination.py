@@ -12,11 +12,11 @@ import hashlib
 import hmac
 import re
 from dataclasses import dataclass
-from functools import lru_cache
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 from animal_store.current import REQUEST
 from animal_store.data.models import PET_STATUSES
+from animal_store.links import absolute_url
 
 CURSOR_VERSION = "1"
 CHECKSUM_SIZE = 8
@@ -24,8 +24,6 @@ CHECKSUM_SIZE = 8
 MAX_CURSOR_LENGTH = 64
 CURSOR_SYNTAX = rf"[A-Za-z0-9_-]{{1,{MAX_CURSOR_LENGTH}}}"
 CURSOR_TEXT = re.compile(CURSOR_SYNTAX)
-# What a URL path may hold unescaped (WHATWG's path segment set, and % for escapes already made).
-URL_PATH_SAFE = "!$&'()*+,/:;=@%"
 PAYLOAD = re.compile(rf"{CURSOR_VERSION}\.(0|[1-9][0-9]{{0,18}})\.({'|'.join(PET_STATUSES)}|)")
 
 
@@ -72,15 +70,7 @@ def next_page_query(last_id: int, limit: int, status: str | None) -> str:
 
 
 def next_page_link(query: str) -> str:
-    """Return the Link header value: the list's own absolute URL, as this request reached it
-    (its scheme and host, which nginx forwards), with the next page's query."""
+    """Return the Link header value: the list's own absolute URL, on the deployment's own address
+    (links.py), with the next page's query."""
     served = REQUEST._get_current_object()
-    url = list_url(served.scheme, served.host, served.root_path + served.path)
-    return f'<{url}?{query}>; rel="next"'
-
-
-@lru_cache(maxsize=64)
-def list_url(scheme: str, host: str, path: str) -> str:
-    # request.base_url, without its round trip through an IRI (a Link target is a URI) and at a
-    # fraction of its cost; the same for each request to one host, so made once for each.
-    return f"{scheme}://{host}{quote(path, safe=URL_PATH_SAFE)}"
+    return f'<{absolute_url(served.root_path + served.path)}?{query}>; rel="next"'

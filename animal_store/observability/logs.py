@@ -5,9 +5,10 @@ import math
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
+from urllib.parse import unquote_plus
 
 import orjson
 from flask import Flask, Response, g
@@ -19,6 +20,9 @@ from animal_store.http.request_id import current_request_id
 
 # The app's access log: one line per request, at INFO ("animal_store" is the app's own logger).
 REQUESTS = logging.getLogger("animal_store.request")
+# The value of a query parameter the request's operation does not declare, as the log writes it:
+# anything may be there, an API key sent as ?api_key= or ?access_token= included.
+MASKED = "***"
 
 
 class Seconds:
@@ -138,20 +142,25 @@ def start_timer() -> None:
     g.request_started = time.perf_counter()
 
 
-def log_request(response: Response) -> None:
-    """Write the request's line, the app's access log (at INFO)."""
-    if not REQUESTS.isEnabledFor(logging.INFO):
-        return
-    fields = request_fields(response)
-    if only_stdout_listens():
-        # The line the handler would write, written as one string: logging's record, handler
-        # lock and formatter calls were a sixth of a list request's CPU in process
-        # (docs/benchmarks.rst).
-        stream = sys.stdout
-        stream.write(json_line(time.time(), "INFO", REQUESTS.name, "request", fields) + "\n")
-        stream.flush()
-    else:
-        REQUESTS.info("request", extra={"fields": fields})
+def request_log(declared: Mapping[str, frozenset[str]]) -> Callable[[Response], None]:
+    """Return the step that writes each request's line, the app's access log (at INFO);
+    `declared` names, by endpoint, the query parameters whose values it writes as sent."""
+
+    def log_request(response: Response) -> None:
+        if not REQUESTS.isEnabledFor(logging.INFO):
+            return
+        fields = request_fields(response, declared)
+        if only_stdout_listens():
+            # The line the handler would write, written as one string: logging's record,
+            # handler lock and formatter calls were a sixth of a list request's CPU in process
+            # (docs/benchmarks.rst).
+            stream = sys.stdout
+            stream.write(json_line(time.time(), "INFO", REQUESTS.name, "request", fields) + "\n")
+            stream.flush()
+        else:
+            REQUESTS.info("request", extra={"fields": fields})
+
+    return log_request
 
 
 def only_stdout_listens() -> bool:
@@ -171,7 +180,7 @@ def only_stdout_listens() -> bool:
     )
 
 
-def request_fields(response: Response) -> dict[str, Any]:
+def request_fields(response: Response, declared: Mapping[str, frozenset[str]]) -> dict[str, Any]:
     # The request and g looked up once each, not through their proxies at every field.
     served, context = REQUEST._get_current_object(), G._get_current_object()
     started = context.get("request_started")
@@ -187,5 +196,20 @@ def request_fields(response: Response) -> dict[str, Any]:
         "api_key_prefix": context.get("api_key_prefix"),
     }
     if served.query_string:
-        fields["query"] = served.query_string.decode("latin-1")
+        query = served.query_string.decode("latin-1")
+        fields["query"] = masked_query(query, declared.get(served.endpoint or "", frozenset()))
     return fields
+
+
+def masked_query(query: str, declared: frozenset[str]) -> str:
+    """Return the query as sent, but with the value of each parameter not `declared` written
+    ***: its name stays, so an operator sees what was sent. A part without "=" that is not a
+    declared name is written *** whole: it may be a key pasted alone (?ask_...)."""
+    parts = []
+    for part in query.split("&"):
+        name, equals, _ = part.partition("=")
+        if not part or unquote_plus(name) in declared:
+            parts.append(part)
+        else:
+            parts.append(f"{name}={MASKED}" if equals else MASKED)
+    return "&".join(parts)
