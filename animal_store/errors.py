@@ -102,6 +102,12 @@ EMPTY_BODY = ErrorKind(
 NOT_AN_OBJECT = ErrorKind(
     400, "invalid_json", "The body must be a JSON object.", "The body is JSON but not an object."
 )
+DUPLICATE_MEMBER = ErrorKind(
+    400,
+    "invalid_json",
+    "The body names member '{name}' twice in one object: send each member of an object once.",
+    "An object of the body, at any depth, has two members of one name (I-JSON, RFC 7493).",
+)
 TRUNCATED_BODY = ErrorKind(
     400,
     "bad_request",

@@ -21,7 +21,14 @@ from animal_store.idempotency import (
     remember,
 )
 from animal_store.links import absolute_url
-from animal_store.schemas import INT64_MAX, ListQuery, ListQuerySchema, NewPetSchema, PetSchema
+from animal_store.schemas import (
+    ID_MIN,
+    INT64_MAX,
+    ListQuery,
+    ListQuerySchema,
+    NewPetSchema,
+    PetSchema,
+)
 
 bp = Blueprint("pets", __name__)
 
@@ -44,7 +51,7 @@ NEXT_LINK = Header(
 PET_ID = {
     "in": "path",
     "name": "petId",
-    "schema": {"type": "integer", "format": "int64", "minimum": 1, "maximum": INT64_MAX},
+    "schema": {"type": "integer", "format": "int64", "minimum": ID_MIN, "maximum": INT64_MAX},
     "description": "The animal's id, in ASCII digits without a leading zero. Anything else "
     "(text, zero, negative, too large, leading zeros) is 404.",
 }

@@ -19,13 +19,17 @@ from animal_store.data.models import PET_STATUSES
 from animal_store.data.pagination import CURSOR_SYNTAX, Position, decode_cursor
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The least id: the database gives every id (PostgreSQL's sequences and SQLite's rowid count
+# from 1) and no client sends one, so an id, in a body or a path, is a positive int64.
+ID_MIN = 1
 
 
 class Int64(fields.Integer):
-    """A JSON integer within int64: no strings, floats or booleans, nothing the database refuses."""
+    """A JSON integer within int64 (from `minimum` up): no strings, floats or booleans, nothing
+    the database refuses."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(strict=True, validate=validate.Range(INT64_MIN, INT64_MAX), **kwargs)
+    def __init__(self, minimum: int = INT64_MIN, **kwargs: Any) -> None:
+        super().__init__(strict=True, validate=validate.Range(minimum, INT64_MAX), **kwargs)
 
 
 class QueryInteger(fields.Integer):
@@ -113,6 +117,7 @@ def validate_name(name: str) -> None:
 
 class PetSchema(Schema):
     id = Int64(
+        ID_MIN,
         dump_only=True,
         required=True,
         metadata={"description": "Assigned by the store.", "example": 1},

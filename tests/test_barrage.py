@@ -66,7 +66,7 @@ CASES = {
     "escaped NUL": (post(b'{"name":"a\\u0000b","categoryId":1}'), {400}),
     "raw NUL": (post(b'{"name":"a\x00b","categoryId":1}'), {400}),
     "NUL after the body": (post(VALID + b"\x00"), {400}),
-    "duplicate keys": (post(b'{"name":"Rex","name":"Max","categoryId":1}'), {201}),
+    "duplicate keys": (post(b'{"name":"Rex","name":"Max","categoryId":1}'), {400}),
     "BOM": (post(b"\xef\xbb\xbf" + VALID), {400}),
     "empty body": (post(b""), {400}),
     "Content-Type upper case": (post(VALID, "APPLICATION/JSON"), {201}),

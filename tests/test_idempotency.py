@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from animal_store.data.models import ApiKey, IdempotencyRecord
 from animal_store.extensions import db
-from animal_store.idempotency import target_hash
+from animal_store.idempotency import request_fingerprint, target_hash
 
 REX = {"name": "Rex", "categoryId": 1, "status": "available"}
 
@@ -92,7 +92,6 @@ def test_retry_replays_the_first_answer(post, count_pets):
     [
         b'{"status": "available", "categoryId": 1, "name": "Rex"}',
         b'{ "name" : "R\\u0065x",\n "categoryId": 1, "status": "available" }',
-        b'{"name": "Rex", "categoryId": 2, "categoryId": 1, "status": "available"}',
     ],
 )
 def test_same_parsed_body_written_differently_replays(post, count_pets, data):
@@ -101,6 +100,30 @@ def test_same_parsed_body_written_differently_replays(post, count_pets, data):
     assert again.status_code == 201
     assert again.get_json() == first.get_json()
     assert count_pets() == 1
+
+
+def test_a_body_naming_a_member_twice_is_refused_not_replayed(post, count_pets):
+    # Read as its last value it is the first body; whatever reads the first value judged another.
+    post("order-1")
+    again = post(
+        "order-1", data=b'{"name": "Max", "name": "Rex", "categoryId": 1, "status": "available"}'
+    )
+    assert again.status_code == 400
+    assert again.get_json()["code"] == "invalid_json"
+    assert "Idempotent-Replayed" not in again.headers
+    assert count_pets() == 1
+
+
+def test_a_body_naming_a_member_twice_has_a_fingerprint_of_its_own(app):
+    # createPet reads its body before it claims the key; a view that claimed first must still not
+    # take such a body for the body of its last value.
+    fingerprints = set()
+    for data in (b'{"name": "Max", "name": "Rex"}', b'{"name": "Rex"}'):
+        with app.test_request_context(
+            "/v1/pets", method="POST", data=data, content_type="application/json"
+        ):
+            fingerprints.add(request_fingerprint())
+    assert len(fingerprints) == 2
 
 
 @pytest.mark.parametrize("quoted", ['"order-1"', ' "order-1" ', "order-1 "])

@@ -326,6 +326,14 @@ def test_pet_id_is_a_positive_int64(document):
     }
 
 
+def test_an_animals_id_is_a_positive_int64_as_its_path_takes_it(document):
+    # The id an answer gives is the one getPet's path takes, which below 1 names no animal.
+    parameters = document["paths"]["/pets/{petId}"]["parameters"]
+    (parameter,) = [parameter for parameter in parameters if parameter["in"] == "path"]
+    in_body = document["components"]["schemas"]["Pet"]["properties"]["id"]
+    assert {key: in_body[key] for key in parameter["schema"]} == parameter["schema"]
+
+
 def test_error_schema_matches_error_bodies(document, client):
     error = document["components"]["schemas"]["Error"]
     assert error["required"] == ["code", "message", "status"]

@@ -1,5 +1,7 @@
 """Request bodies: JSON objects only, read whole and strictly, or the error that says why not."""
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -15,6 +17,7 @@ BODY_ERRORS = (
     errors.EMPTY_BODY,
     errors.INVALID_JSON,
     errors.NOT_AN_OBJECT,
+    errors.DUPLICATE_MEMBER,
     errors.TRUNCATED_BODY,
     errors.MALFORMED_BODY,
     errors.REQUEST_TIMEOUT,
@@ -26,6 +29,13 @@ JSON_WHITESPACE = b" \t\r\n"
 # The one transfer coding and the one expectation the service takes (docs/errors.rst).
 CHUNKED = "chunked"
 CONTINUE = "100-continue"
+# A JSON string, escapes and all (RFC 8259, section 7), and the tokens that nest or name: in a
+# text already parsed, every '"' outside a string opens one, so these read it exactly.
+STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+STRINGS = re.compile(STRING)
+NAMING_TOKENS = re.compile(STRING + rb"|[{}\[\]:]")
+# What orjson reads a JSON object and array as; a tuple, as isinstance checks one fastest.
+CONTAINERS = (dict, list)
 
 
 def refuse_unsupported_framing() -> None:
@@ -58,16 +68,79 @@ def json_object_body() -> dict[str, Any]:
     data = whole_body()
     if not data.strip(JSON_WHITESPACE):
         raise errors.EMPTY_BODY()
-    try:
-        # orjson rather than Flask's get_json: it refuses what JSON does not allow (NaN,
-        # Infinity, lone surrogates) and is several times faster.
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError as error:
-        # Where, and what JSON asks for: the parser's own words are about its grammar.
-        raise errors.INVALID_JSON(line=error.lineno, column=error.colno) from None
+    body = parse_json(data)
     if not isinstance(body, dict):
         raise errors.NOT_AN_OBJECT()
     return body
+
+
+def parse_json(data: bytes) -> Any:
+    """Return `data` parsed as strict JSON with no name twice in an object (I-JSON, RFC 7493), or
+    raise the error that says why not."""
+    try:
+        # orjson rather than Flask's get_json: it refuses what JSON does not allow (NaN,
+        # Infinity, lone surrogates) and is several times faster.
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        # Where, and what JSON asks for: the parser's own words are about its grammar.
+        raise errors.INVALID_JSON(line=error.lineno, column=error.colno) from None
+    # orjson keeps the last of two members of one name; whatever reads the first (a proxy, a
+    # filter in front of the service) would judge another body than the one stored.
+    name = repeated_name(data, parsed)
+    if name is not None:
+        raise errors.DUPLICATE_MEMBER(name=name)
+    return parsed
+
+
+def repeated_name(data: bytes, parsed: Any) -> str | None:
+    """Return a member name that an object of the JSON text `data` has twice, or None.
+
+    `parsed` is `data` as orjson read it, where a repeated name left one key. Every member has
+    one ':' outside strings, so the objects' keys number as many as those colons exactly when no
+    name is repeated. Counting every colon proves it for most bodies at the cost of a count in C
+    and a walk of the containers; a body with a colon in a string needs its strings cut out
+    first, and only a body with a repeated name is read token by token, to name it.
+    """
+    keys = key_count(parsed)
+    if data.count(b":") == keys or STRINGS.sub(b"", data).count(b":") == keys:
+        return None
+    return first_repeated_name(data)
+
+
+def key_count(value: Any) -> int:
+    # A loop, not recursion: orjson nests 1024 deep, past Python's default recursion limit.
+    count, containers = 0, [value] if isinstance(value, CONTAINERS) else []
+    while containers:
+        container = containers.pop()
+        items: Iterable[Any] = container
+        if isinstance(container, dict):
+            count += len(container)
+            items = container.values()
+        for item in items:
+            if isinstance(item, CONTAINERS):
+                containers.append(item)
+    return count
+
+
+def first_repeated_name(data: bytes) -> str | None:
+    # One set of names per open object or array (an array's stays empty), as a stack: the
+    # standard library's parser, which could name it too, recurses past its limit at orjson's
+    # depth.
+    names: list[set[str]] = []
+    last_string = b""
+    for token in NAMING_TOKENS.findall(data):
+        if token in (b"{", b"["):
+            names.append(set())
+        elif token in (b"}", b"]"):
+            names.pop()
+        elif token == b":":
+            name: str = orjson.loads(last_string)
+            if name in names[-1]:
+                return name
+            names[-1].add(name)
+        else:
+            last_string = token
+    return None
 
 
 def whole_body() -> bytes:

@@ -33,6 +33,7 @@ from sqlalchemy import Connection
 from animal_store import errors
 from animal_store.api import Header, declare_errors, declare_parameter
 from animal_store.extensions import db
+from animal_store.http.body import parse_json
 from animal_store.idempotency.claims import RECORDS, Claim, claim, maybe_purge_expired
 from animal_store.idempotency.header import KEY_PARAMETER, idempotency_key
 
@@ -70,12 +71,14 @@ def target_hash(method: str, path: str) -> bytes:
 
 
 def request_fingerprint() -> bytes:
-    # Compared as parsed JSON, so key order, spacing and escapes do not count. A body that is not
-    # JSON is refused by the view anyway (and the claim released), its bytes are enough here.
+    # Compared as parsed JSON, so key order, spacing and escapes do not count. Parsed as the view
+    # parses it: a body it refuses (not JSON, a name twice in an object) is refused by the view
+    # anyway (and the claim released), and its bytes, which no parsed body's match, are enough
+    # here. Read leniently, a name twice would match the body of its last value.
     body = request.get_data()
     try:
-        canonical = orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONDecodeError:
+        canonical = orjson.dumps(parse_json(body), option=orjson.OPT_SORT_KEYS)
+    except errors.APIError:
         canonical = body
     return hashlib.sha256(canonical).digest()
 
