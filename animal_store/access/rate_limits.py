@@ -343,7 +343,7 @@ class RateLimiter:
         # No Sentinel answers, or none names a master that is up: the connection's Redis may
         # still answer, and the sync tells.
         with contextlib.suppress(redis.RedisError):
-            self.sentinel_pool.get_master_address()  # type: ignore[no-untyped-call] # redis-py
+            self.sentinel_pool.get_master_address()
 
     def ask(self, batch: list[tuple[Tally, int, bool]]) -> list[list[int]]:
         args: list[str | int] = [self.worker]
@@ -428,10 +428,8 @@ def storage_client(uri: str, options: dict[str, Any]) -> redis.Redis:
     # The URL's password is the Sentinels' and the Redis', as `limits` has it.
     options = {"username": where.username, "password": where.password, **options}
     # redis-py's Sentinel is untyped.
-    sentinels = Sentinel(  # type: ignore[no-untyped-call]
-        where.sentinels, sentinel_kwargs={**options, "retry": no_retries}
-    )
-    master: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+    sentinels = Sentinel(where.sentinels, sentinel_kwargs={**options, "retry": no_retries})
+    master: redis.Redis = sentinels.master_for(
         where.service_name, db=where.db, retry=no_retries, **options
     )
     return master

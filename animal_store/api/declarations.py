@@ -3,7 +3,7 @@ resources are made of."""
 
 from collections.abc import Callable, Mapping
 from copy import deepcopy
-from typing import Any, TypedDict, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar, cast
 
 import flask
 import flask.sansio.blueprints
@@ -30,6 +30,13 @@ class Declarations(TypedDict, total=False):
     errors: list[errors.ErrorKind]
     deprecation: str
     public: bool
+
+
+class Documented(Protocol):
+    """A view as flask-smorest (no type hints) documents it: its declarations are an attribute
+    of the function."""
+
+    _apidoc: Declarations
 
 
 class OperationDoc(Declarations, total=False):
@@ -115,8 +122,8 @@ def declare(view: View, key: str, value: object) -> View:
     No wrapper, so a declaration costs nothing per request. A copy, as flask-smorest makes: a
     wrapper shares its wrapped function's declarations until it declares something of its own.
     """
-    # flask-smorest (no type hints) keeps a view's declarations in an attribute of the function.
-    view._apidoc = {**deepcopy(view_doc(view)), key: value}  # type: ignore[attr-defined]
+    declared = cast(Declarations, {**deepcopy(view_doc(view)), key: value})
+    cast(Documented, view)._apidoc = declared
     return view
 
 

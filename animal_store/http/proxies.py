@@ -32,7 +32,8 @@ def trust_proxies(app: Flask) -> None:
     """Honour X-Forwarded-* from TRUSTED_PROXIES, TRUSTED_PROXY_HOPS deep; none by default."""
     config = settings(app)
     if config.TRUSTED_PROXIES:
-        # Flask's hints make wsgi_app a method, though its docs wrap it in middleware so.
-        app.wsgi_app = TrustedProxyFix(  # type: ignore[method-assign]
+        # Flask's hints make wsgi_app a method, though its docs wrap it in middleware so (and
+        # `unused-ignore`: a release of Flask whose hints allow it changes nothing).
+        app.wsgi_app = TrustedProxyFix(  # type: ignore[method-assign, unused-ignore]
             app.wsgi_app, config.TRUSTED_PROXIES, config.TRUSTED_PROXY_HOPS
         )
