@@ -208,7 +208,8 @@ def masked_query(query: str, declared: frozenset[str]) -> str:
     parts = []
     for part in query.split("&"):
         name, equals, _ = part.partition("=")
-        if not part or unquote_plus(name) in declared:
+        # (Decoded only where it is no declared name as sent: a list's query never is.)
+        if not part or name in declared or unquote_plus(name) in declared:
             parts.append(part)
         else:
             parts.append(f"{name}={MASKED}" if equals else MASKED)

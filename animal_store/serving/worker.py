@@ -21,12 +21,14 @@ imported to load it: the workers it forks import the release anew, and the next 
 this module anew from disk, so a new release's worker code serves after a reload too.
 """
 
+import functools
 import select
 import socket
 import ssl
+import struct
 import sys
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from gunicorn import util
 from gunicorn.http import errors as http_errors
@@ -133,6 +135,14 @@ class Worker(SyncWorker):
         # idle worker's counts are written within two seconds of its last request. A wake-up a
         # second costs nothing measurable.
         self.timeout = min(self.timeout, 1)
+        # The kernel's bounds on a connection's reads and writes, which each connection takes
+        # from its listener at the accept: no system call a request for them. A read's is the
+        # head's deadline, which holds for the first read, the only one of most requests (the
+        # Connection gives each later read what is left); a write's, the body's timeout, as
+        # long as any one write may wait for the client.
+        for listener in self.sockets:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(self.head_timeout))
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.body_timeout))
         if self.counts is not None:
             self.counts.count_busy_share()
         try:
@@ -162,8 +172,9 @@ class Worker(SyncWorker):
     def handle(self, listener: socket.socket, client: socket.socket, addr: Any) -> None:
         """Serve a connection whose reads end at its deadlines (class Connection): the head's
         first, from now."""
-        connection = Connection.adopt(client)
-        connection.bound(self.head_timeout, late=HeadTimeout)
+        connection = Connection.adopt(client, socket_kind(listener))
+        # (The kernel's bound on its first read is the head's already: run().)
+        connection.bound(self.head_timeout, late=HeadTimeout, kernel_bound=True)
         super().handle(listener, connection, addr)
 
     # types-gunicorn 26 has it return a bool; gunicorn 27's returns nothing (and `unused-ignore`:
@@ -177,7 +188,7 @@ class Worker(SyncWorker):
                 self.counts.abandoned()
             client.close()
             return
-        if isinstance(client, Connection):
+        if isinstance(client, Connection) and not empty(req):
             # The body's deadline, from the end of the head: a read past it raises TimeoutError
             # in the app, which answers 408 (http/body.py).
             client.bound(self.body_timeout, late=TimeoutError)
@@ -255,27 +266,37 @@ class Connection(socket.socket):
 
     deadline: float | None = None
     late: type[Exception] = TimeoutError
-    # Seconds each write may wait (the body's timeout, as before the deadlines), outside reads.
-    write_timeout: float | None = None
     received = 0
+    bound_read = False
     timed_out = False
     continue_held = False
 
     @classmethod
-    def adopt(cls, client: socket.socket) -> "Connection":
-        """Return `client` as a Connection: the same socket, which `client` lets go."""
-        return cls(client.family, client.type, client.proto, fileno=client.detach())
+    def adopt(cls, client: socket.socket, kind: tuple[int, int, int]) -> "Connection":
+        """Return `client` as a Connection: the same socket, which `client` lets go. `kind`: its
+        family, type and protocol, as its listener's (socket_kind())."""
+        return cls(*kind, fileno=client.detach())
 
-    def bound(self, seconds: float | None, late: type[Exception]) -> None:
-        """Make the reads from now on end `seconds` from now, raising `late`; None: unbounded."""
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+    def bound(
+        self, seconds: float | None, late: type[Exception], kernel_bound: bool = False
+    ) -> None:
+        """Make the reads from now on end `seconds` from now, raising `late`; None: unbounded.
+        `kernel_bound`: the kernel's bound on the next read is `seconds` already."""
+        if seconds is None:
+            self.deadline = None
+            return
+        self.deadline = time.monotonic() + seconds
         self.late = late
-        if late is TimeoutError:
-            self.write_timeout = seconds
-            self.settimeout(seconds)
+        # The kernel's bound on the next read, which the deadline leaves whole (each read after
+        # it is given what is left): not Python's timeout, with which every read and write
+        # would first poll(2).
+        if not kernel_bound:
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
+        self.bound_read = True
 
     def unbound(self) -> None:
-        """End the deadlines and the held 100 Continue: the request is answered."""
+        """End the deadlines and the held 100 Continue: the request is answered. (The kernel's
+        bound may stay: what reads the socket after, to end the connection, does not block.)"""
         self.deadline = None
         self.continue_held = False
 
@@ -283,26 +304,33 @@ class Connection(socket.socket):
         if self.continue_held and not flags & socket.MSG_PEEK:
             self.continue_held = False
             super().sendall(CONTINUE)
-        if self.deadline is None:
+        deadline = self.deadline
+        if deadline is None:
             return super().recv(bufsize, flags)
-        left = self.deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            self.settimeout(left)
-            data = super().recv(bufsize, flags)
-        except TimeoutError:
-            self.timed_out = True
-            self.deadline = None
-            self.settimeout(self.write_timeout)
-            if self.late is HeadTimeout and not self.received:
-                # Nothing came: closed quietly, as gunicorn does a client that closed first.
-                self.close()
-                raise http_errors.NoMoreData() from None
-            raise self.late() from None
-        self.settimeout(self.write_timeout)
-        self.received += len(data)
-        return data
+        while True:
+            if self.bound_read:
+                self.bound_read = False
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.missed()
+                self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(left))
+            try:
+                data = super().recv(bufsize, flags)
+            except BlockingIOError:
+                continue  # the kernel's bound passed: so has the deadline, but for rounding
+            self.received += len(data)
+            return data
+
+    def missed(self) -> NoReturn:
+        """Raise what missing the deadline means."""
+        self.timed_out = True
+        self.deadline = None
+        if self.late is HeadTimeout and not self.received:
+            # Nothing came: closed quietly, as gunicorn does a client that closed first.
+            self.close()
+            raise http_errors.NoMoreData()
+        raise self.late()
 
     def send(self, data: "ReadableBuffer", flags: int = 0, /) -> int:
         if data == CONTINUE:
@@ -333,6 +361,22 @@ class BoundedChunks(ChunkedReader):
 
             raise RequestEntityTooLarge()
         return size, rest
+
+
+@functools.lru_cache(maxsize=8)
+def socket_kind(listener: socket.socket) -> tuple[int, int, int]:
+    """Return the family, type and protocol of the connections `listener` accepts, as numbers:
+    once for each listener (the socket's properties make enums of them, a microsecond a
+    connection)."""
+    return int(listener.family), int(listener.type), listener.proto
+
+
+@functools.lru_cache(maxsize=8)  # the deadlines' own, made once
+def timeval(seconds: float | None) -> bytes:
+    """Return `seconds` as SO_RCVTIMEO and SO_SNDTIMEO take them: None is no bound, anything else
+    a microsecond at least (0 would be no bound)."""
+    microseconds = 0 if seconds is None else max(round(seconds * 1_000_000), 1)
+    return struct.pack("ll", *divmod(microseconds, 1_000_000))
 
 
 def refusal_status(exc: BaseException, request: "Request | None") -> int:
@@ -373,6 +417,15 @@ def abandoned(req: "Request", client: socket.socket) -> bool:
     poller = select.poll()
     poller.register(client, select.POLLRDHUP)  # POLLHUP and POLLERR (a reset) come unasked
     return bool(poller.poll(0))
+
+
+def empty(req: "Request") -> bool:
+    """Whether the request says it has no body (a GET's, or Content-Length: 0)."""
+    return (
+        req.body is not None
+        and isinstance(req.body.reader, LengthReader)
+        and not req.body.reader.length
+    )
 
 
 def nothing_left_to_read(req: "Request", client: socket.socket) -> bool:
