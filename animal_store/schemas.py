@@ -11,11 +11,12 @@ from marshmallow import (
     ValidationError,
     fields,
     post_dump,
+    pre_load,
     validate,
     validates_schema,
 )
 
-from animal_store.data.filters import LIST_FILTERS, walk_of
+from animal_store.data.filters import LIST_FILTERS, NEXT_RELEASE_FILTERS, walk_of
 from animal_store.data.models import PET_STATUSES
 from animal_store.data.pagination import CURSOR_SYNTAX, Position, decode_cursor
 
@@ -178,6 +179,16 @@ class ListQueryBase(Schema):
         unknown = EXCLUDE
 
     limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
+    next_release_filters = NEXT_RELEASE_FILTERS
+
+    @pre_load
+    def refuse_next_release_filters(self, data: Mapping[str, Any], **kwargs: Any) -> Any:
+        for name in self.next_release_filters:
+            if name in data:
+                raise ValidationError(
+                    "Not a filter of this release yet; the next one serves it.", name
+                )
+        return data
 
     @validates_schema
     def cursor_matches_filters(self, data: dict[str, Any], **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import requests
 import sqlalchemy as sa
+from marshmallow import ValidationError
 
 from animal_store.commands.seed import seed_pets
 from animal_store.data.filters import LIST_FILTERS, walk_of
@@ -332,3 +333,19 @@ def test_walk_sees_every_animal_acknowledged_before_its_last_page(
     assert seen == sorted(set(seen))
     assert {pet_id for pet_id, at in acknowledged.items() if at < asked} <= set(seen)
     assert sorted(acknowledged) == [4, 5, 6]
+
+
+class NextReleaseQuerySchema(ListQuerySchema):
+    # listPets' query in a release whose next one serves a `tag` filter.
+    next_release_filters = ("tag",)
+
+
+@pytest.mark.parametrize("query", [{"tag": "x"}, {"limit": "5", "tag": ""}])
+def test_a_filter_of_the_next_release_is_refused_not_ignored(query):
+    with pytest.raises(ValidationError) as refused:
+        NextReleaseQuerySchema().load(query)
+    assert list(refused.value.messages) == ["tag"]
+
+
+def test_an_unknown_parameter_is_still_ignored():
+    assert NextReleaseQuerySchema().load({"limit": "5", "tags": "x"}) == {"limit": 5}
