@@ -76,6 +76,8 @@ def decode_cursor(cursor: str) -> Position:
         or not LAST_ID.fullmatch(last_id)
         or int(last_id) >= 2**63
         or not 1 <= len(values) <= len(LIST_FILTERS)
+        # Only as encode_cursor writes it: no unfiltered value after the first.
+        or (len(values) > 1 and not values[-1])
         or any(
             value and value not in list_filter.choices
             for value, list_filter in zip(values, LIST_FILTERS, strict=False)
