@@ -2,8 +2,9 @@
 
 Each filter is a query parameter matched for equality against the column of the same name. The
 cursor's format and its validation (pagination.py), the select of each combination of filters
-(store.py), the query schema and so the served document (schemas.py), the kept answers' key and
-the next page's link (pets.py) all read LIST_FILTERS; nothing else names a filter.
+(store.py), the query schema and so the served document (schemas.py), the next page's link
+(pagination.py) and the kept answers' key (pets.py) all read LIST_FILTERS; nothing else names a
+filter.
 
 A walk is the values of the filters of one list request, in LIST_FILTERS' order (None: not
 filtered by it). The cursor holds it in that order, so a filter is only ever appended: a cursor
