@@ -13,6 +13,7 @@ made before it existed decodes as a walk without it (pagination.py).
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -29,7 +30,7 @@ class ListFilter:
     name: str
     column: sa.ColumnElement[Any]
 
-    @property
+    @cached_property
     def choices(self) -> tuple[str, ...]:
         # The values the column may hold (its Enum), which the cursor carries as they are.
         return tuple(cast("sa.Enum", self.column.type).enums)
