@@ -11,6 +11,7 @@ from animal_store.api import Blueprint, Header
 from animal_store.api.conditional import conditional
 from animal_store.data import store
 from animal_store.data.answers import Kept, answers, json_response
+from animal_store.data.filters import walk_of
 from animal_store.data.keyset import settled_prefix
 from animal_store.data.pagination import next_page_link, next_page_query
 from animal_store.data.store import NewPet, PetRow
@@ -22,6 +23,7 @@ from animal_store.idempotency import (
 )
 from animal_store.links import absolute_url
 from animal_store.schemas import (
+    FILTER_NAMES,
     ID_MIN,
     INT64_MAX,
     ListQuery,
@@ -43,8 +45,8 @@ LOCATION = Header(
 )
 NEXT_LINK = Header(
     "Link",
-    'RFC 8288: `<absolute URL>; rel="next"`, the next page with the same `limit` and `status`; '
-    "absent on the last page. Follow it, do not build the cursor.",
+    f'RFC 8288: `<absolute URL>; rel="next"`, the next page with the same `limit` and filters '
+    f"({FILTER_NAMES}); absent on the last page. Follow it, do not build the cursor.",
     {"type": "string"},
     component="NextLink",
 )
@@ -63,21 +65,23 @@ PET_ID = {
 @bp.arguments(list_query_schema, location="query")
 @bp.response(200, pets_schema, description="A page of animals.", headers={"Link": NEXT_LINK})
 def list_pets(query: ListQuery) -> Sequence[PetRow] | Response:
-    """List animals, a page at a time, in ascending id order; optionally those of one status."""
-    limit, status = query["limit"], query.get("status")
+    """List animals, a page at a time, in ascending id order; optionally only those the filters
+    keep."""
+    limit, walk = query["limit"], walk_of(query)
     after = query["cursor"].last_id if "cursor" in query else 0
-    kept = answers().get(("page", after, limit, status))
+    # The walk is the key's, whole: a page kept for some filters is never another's.
+    kept = answers().get(("page", after, limit, walk))
     if kept is None:
         # One row past the page tells whether another page follows.
-        rows = store.pets_after(after, limit + 1, status)
+        rows = store.pets_after(after, limit + 1, walk)
         pets = settled_prefix(rows)
         if len(pets) == len(rows) <= limit:
             return pets  # the end of the list, which grows: made afresh each time
         pets = pets[:limit]
         last_id = pets[-1]["id"] if pets else after
-        kept = Kept(orjson.dumps(pets_schema.dump(pets)), next_page_query(last_id, limit, status))
+        kept = Kept(orjson.dumps(pets_schema.dump(pets)), next_page_query(last_id, limit, walk))
         if len(pets) == limit:
-            answers().put(("page", after, limit, status), *kept)
+            answers().put(("page", after, limit, walk), *kept)
         # Otherwise cut short before a row not yet settled: the rest follows once it is, and
         # the page is not kept.
     body, next_query = kept

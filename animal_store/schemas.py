@@ -11,10 +11,12 @@ from marshmallow import (
     ValidationError,
     fields,
     post_dump,
+    pre_load,
     validate,
     validates_schema,
 )
 
+from animal_store.data.filters import LIST_FILTERS, NEXT_RELEASE_FILTERS, walk_of
 from animal_store.data.models import PET_STATUSES
 from animal_store.data.pagination import CURSOR_SYNTAX, Position, decode_cursor
 
@@ -160,38 +162,65 @@ class NewPetSchema(PetSchema):
 
 
 class ListQuery(TypedDict):
-    """listPets' query as ListQuerySchema loads it."""
+    """listPets' query as ListQuerySchema loads it: a filter's value under its name, if given."""
 
     limit: int
     status: NotRequired[str]
     cursor: NotRequired[Position]
 
 
-class ListQuerySchema(Schema):
+FILTER_NAMES = ", ".join(f"`{list_filter.name}`" for list_filter in LIST_FILTERS)
+
+
+class ListQueryBase(Schema):
+    """listPets' query but the filters and the cursor, which ListQuerySchema adds in this order."""
+
     class Meta:
         unknown = EXCLUDE
 
     limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
-    status = PetStatus()
-    cursor = Cursor(
-        metadata={
-            "type": "string",
-            "pattern": f"^{CURSOR_SYNTAX}$",
-            "description": "Opaque: where the next page starts, taken from the "
-            '`Link: rel="next"` URL of the page before. A garbled cursor, or one from a walk '
-            "with another `status`, is 400.",
-        }
-    )
+    next_release_filters = NEXT_RELEASE_FILTERS
+
+    @pre_load
+    def refuse_next_release_filters(self, data: Mapping[str, Any], **kwargs: Any) -> Any:
+        for name in self.next_release_filters:
+            if name in data:
+                raise ValidationError(
+                    "Not a filter of this release yet; the next one serves it.", name
+                )
+        return data
 
     @validates_schema
-    def cursor_matches_status(self, data: dict[str, Any], **kwargs: Any) -> None:
-        # A cursor continues one walk; with another filter its position would skip animals.
-        if "cursor" in data and data["cursor"].status != data.get("status"):
+    def cursor_matches_filters(self, data: dict[str, Any], **kwargs: Any) -> None:
+        # A cursor continues one walk; with other filters its position would skip animals.
+        if "cursor" in data and data["cursor"].walk != walk_of(data):
             raise ValidationError(
-                "This cursor belongs to a walk with another status filter; keep the status "
+                f"This cursor belongs to a walk with other filters; keep the {FILTER_NAMES} "
                 'of the Link rel="next" URL.',
                 "cursor",
             )
+
+
+# A filter's parameter takes the values of the animal's field it matches, in the field's own type
+# (one component in the document: PetStatus), without what the body says of the field.
+ListQuerySchema = ListQueryBase.from_dict(
+    {
+        **{
+            list_filter.name: type(PetSchema().fields[list_filter.name])()
+            for list_filter in LIST_FILTERS
+        },
+        "cursor": Cursor(
+            metadata={
+                "type": "string",
+                "pattern": f"^{CURSOR_SYNTAX}$",
+                "description": "Opaque: where the next page starts, taken from the "
+                '`Link: rel="next"` URL of the page before. A garbled cursor, or one from a walk '
+                f"with other filters ({FILTER_NAMES}), is 400.",
+            }
+        ),
+    },
+    name="ListQuerySchema",
+)
 
 
 class ErrorSchema(Schema):

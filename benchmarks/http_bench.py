@@ -599,6 +599,7 @@ def deep_cursor(database_url) -> str:
     first page, it has a next page, so both carry a Link and do the same work."""
     import sqlalchemy as sa
 
+    from animal_store.data.filters import walk_of
     from animal_store.data.pagination import Position, encode_cursor
 
     url = sa.engine.make_url(database_url)
@@ -611,7 +612,7 @@ def deep_cursor(database_url) -> str:
             {"limit": 2 * LIMIT},
         )
     engine.dispose()
-    return encode_cursor(Position(last_id, None))
+    return encode_cursor(Position(last_id, walk_of({})))
 
 
 def measure_memory(service, key, args, workdir):

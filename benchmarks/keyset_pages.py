@@ -22,6 +22,7 @@ from flask_migrate import upgrade
 from animal_store import create_app
 from animal_store.access.auth import issue_key
 from animal_store.commands.seed import seed_pets
+from animal_store.data.filters import walk_of
 from animal_store.data.models import Pet
 from animal_store.data.pagination import Position, encode_cursor
 from animal_store.extensions import db
@@ -65,7 +66,7 @@ def last_page_cursor(status):
     select = sa.select(Pet.id).order_by(Pet.id.desc()).offset(LIMIT).limit(1)
     if status:
         select = select.where(Pet.status == status)
-    return encode_cursor(Position(db.session.scalar(select), status))
+    return encode_cursor(Position(db.session.scalar(select), walk_of({"status": status})))
 
 
 def measure_pages(app, auth, runs):

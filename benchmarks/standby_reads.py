@@ -251,11 +251,12 @@ def seeded_ids(primary) -> range:
 def write_script(workdir, ids, get_share) -> Path:
     """wrk's script: each request getPet or a full page of the list, drawn at random, and every
     answer counted by status (tests/wrk.py)."""
+    from animal_store.data.filters import walk_of
     from animal_store.data.pagination import Position, encode_cursor
 
     # A page after one of these has LIMIT animals and one more: a full page, with a next link.
     afters = random.sample(range(ids.stop - LIMIT - 1), min(500, ids.stop - LIMIT - 1))
-    cursors = ", ".join(f'"{encode_cursor(Position(after, None))}"' for after in afters)
+    cursors = ", ".join(f'"{encode_cursor(Position(after, walk_of({})))}"' for after in afters)
     script = workdir / "reads.lua"
     script.write_text(
         f"WARMUP = 0\nWINDOW = 0\n{wrk.COUNTING_SCRIPT}\n"
@@ -472,11 +473,12 @@ class Clients:
             self.stopping.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def read(self):
+        from animal_store.data.filters import walk_of
         from animal_store.data.pagination import Position, decode_cursor, encode_cursor
 
         while not self.stopping.is_set():
             after = max(self.known[-1] - 3 * LIMIT, 0)
-            path = f"/v1/pets?limit={LIMIT}&cursor={encode_cursor(Position(after, None))}"
+            path = f"/v1/pets?limit={LIMIT}&cursor={encode_cursor(Position(after, walk_of({})))}"
             while path and not self.stopping.is_set():
                 status, headers, body = self.call("GET", path)
                 if status != 200:

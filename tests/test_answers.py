@@ -1,9 +1,13 @@
 """Answers that cannot change are reused: an animal's and a full page's bodies, per worker, within
 ANSWER_CACHE_BYTES; never the end of the list, a 404, or anything made from a request's headers."""
 
+from urllib.parse import urlencode
+
+import pytest
 import sqlalchemy as sa
 
 from animal_store.data.answers import Answers
+from animal_store.data.filters import LIST_FILTERS
 from animal_store.data.models import Pet
 from animal_store.extensions import db
 
@@ -65,3 +69,24 @@ def test_no_answers_are_kept_when_the_setting_is_zero(make_app, make_key, make_p
     client.get("/v1/pets/1", headers=auth)
     rename_behind_the_apis_back(app, "Changed")
     assert client.get("/v1/pets/1", headers=auth).get_json()["name"] == "Changed"
+
+
+# Every walk a first page can be asked for with one filter, and the walk with none.
+WALKS = [{}] + [
+    {list_filter.name: value} for list_filter in LIST_FILTERS for value in list_filter.choices
+]
+
+
+@pytest.mark.parametrize("walk", WALKS, ids=lambda walk: urlencode(walk) or "unfiltered")
+def test_a_kept_page_is_served_to_its_own_walk_only(client, auth, make_pet, walk):
+    # Two animals of each value of each filter, so that every walk's first page is full, kept,
+    # and shows another animal than the other walks' first pages.
+    for list_filter in LIST_FILTERS:
+        for value in list_filter.choices:
+            for _ in range(2):
+                make_pet(**{list_filter.column.key: value})
+    for other in WALKS:
+        client.get("/v1/pets?" + urlencode({"limit": 1, **other}), headers=auth)
+    for _ in range(2):  # read, then kept
+        page = client.get("/v1/pets?" + urlencode({"limit": 1, **walk}), headers=auth).get_json()
+        assert [pet for pet in page if walk.items() <= pet.items()] == page != []

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, settings
 
 from animal_store import create_app
 from animal_store.access.auth import VISIBLE_PREFIX_LENGTH, hash_key
-from animal_store.data.models import PET_STATUSES, ApiKey, IdempotencyRecord
+from animal_store.data.filters import LIST_FILTERS, walk_of
+from animal_store.data.models import ApiKey, IdempotencyRecord
 from animal_store.data.pagination import CURSOR_TEXT, Position, decode_cursor, encode_cursor
 from animal_store.extensions import db
 
@@ -91,9 +92,13 @@ def with_real_cursor(case):
         try:
             decode_cursor(cursor)
         except ValueError:
-            status = case.query.get("status")
-            walk_status = status if status in PET_STATUSES else None
-            case.query["cursor"] = encode_cursor(Position(1, walk_status))
+            # The walk of the filters the case gives valid values, as the service loads them.
+            given = {
+                list_filter.name: case.query[list_filter.name]
+                for list_filter in LIST_FILTERS
+                if case.query.get(list_filter.name) in list_filter.choices
+            }
+            case.query["cursor"] = encode_cursor(Position(1, walk_of(given)))
     return case
 
 

@@ -20,6 +20,7 @@ import requests
 import sqlalchemy as sa
 
 from animal_store.data import keyset
+from animal_store.data.filters import walk_of
 from animal_store.data.models import PET_STATUSES
 from animal_store.data.pagination import Position, encode_cursor
 from animal_store.extensions import db
@@ -83,7 +84,7 @@ def walk(url, auth, limit, status, after=0, linger=lambda last_id: None):
     page: the ids seen, the pages, and when the last page was asked for."""
     query = {"limit": limit, **({"status": status} if status else {})}
     if after:
-        query["cursor"] = encode_cursor(Position(after, status))
+        query["cursor"] = encode_cursor(Position(after, walk_of({"status": status})))
     seen, pages, url = [], 0, requests.Request("GET", url + "/v1/pets", params=query).prepare().url
     while url:
         asked = time.monotonic()

@@ -1,6 +1,6 @@
 """Keyset pagination for listPets: opaque cursors and the RFC 8288 `Link: rel="next"` header.
 
-A cursor holds the last id a page showed and the status filter of its walk. The next page is
+A cursor holds the last id a page showed and the filters of its walk (filters.py). The next page is
 `WHERE id > last_id ORDER BY id`, which an index seeks to directly (the primary key, or
 ix_pets_status_id with a status), so a page deep in the list costs what the first one does. And
 because ids only grow, a walk sees every animal that existed when it started exactly once, however
@@ -15,24 +15,33 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from animal_store.current import REQUEST
-from animal_store.data.models import PET_STATUSES
+from animal_store.data.filters import LIST_FILTERS, Walk
 from animal_store.links import absolute_url
 
+# The payload is "1.<last id>" and then ".<value>" for each filter, in LIST_FILTERS' order, empty
+# where the walk is not filtered by it; the filters after the last one given are left out. So a
+# cursor of a walk without a filter added since is the one the release before made, and the
+# two take each other's cursors during a rollout; a filter only ever appended, the version stays.
 CURSOR_VERSION = "1"
 CHECKSUM_SIZE = 8
-# The payload is short; a long cursor can only be garbage, so it is refused before decoding.
-MAX_CURSOR_LENGTH = 64
+LAST_ID = re.compile(r"0|[1-9][0-9]{0,18}")
+LONGEST_PAYLOAD = len(f"{CURSOR_VERSION}.{2**63 - 1}") + sum(
+    1 + max(map(len, list_filter.choices)) for list_filter in LIST_FILTERS
+)
+# A longer cursor can only be garbage, so it is refused before decoding. The cap follows from the
+# filters (base64 of the longest payload and its checksum), never below the 64 the releases before
+# documented, so the served pattern only ever widens.
+MAX_CURSOR_LENGTH = max(64, -(-(LONGEST_PAYLOAD + CHECKSUM_SIZE) * 4 // 3))
 CURSOR_SYNTAX = rf"[A-Za-z0-9_-]{{1,{MAX_CURSOR_LENGTH}}}"
 CURSOR_TEXT = re.compile(CURSOR_SYNTAX)
-PAYLOAD = re.compile(rf"{CURSOR_VERSION}\.(0|[1-9][0-9]{{0,18}})\.({'|'.join(PET_STATUSES)}|)")
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where a walk stands: after `last_id`, among the animals with `status` (None: all)."""
+    """Where a walk stands: after `last_id`, among the animals its filters keep."""
 
     last_id: int
-    status: str | None
+    walk: Walk
 
 
 def checksum(payload: bytes) -> bytes:
@@ -42,7 +51,11 @@ def checksum(payload: bytes) -> bytes:
 
 
 def encode_cursor(position: Position) -> str:
-    payload = f"{CURSOR_VERSION}.{position.last_id}.{position.status or ''}".encode()
+    values = [value or "" for value in position.walk]
+    # The first filter is always written: the first release's cursors always had it.
+    while len(values) > 1 and not values[-1]:
+        values.pop()
+    payload = ".".join([CURSOR_VERSION, str(position.last_id), *values]).encode()
     return base64.urlsafe_b64encode(payload + checksum(payload)).rstrip(b"=").decode()
 
 
@@ -57,15 +70,28 @@ def decode_cursor(cursor: str) -> Position:
     payload, received = raw[:-CHECKSUM_SIZE], raw[-CHECKSUM_SIZE:]
     if len(raw) <= CHECKSUM_SIZE or not hmac.compare_digest(received, checksum(payload)):
         raise ValueError("not a cursor")
-    match = PAYLOAD.fullmatch(payload.decode("ascii", errors="replace"))
-    if match is None or int(match[1]) >= 2**63:
+    version, last_id, *values = payload.decode("ascii", errors="replace").split(".")
+    if (
+        version != CURSOR_VERSION
+        or not LAST_ID.fullmatch(last_id)
+        or int(last_id) >= 2**63
+        or not 1 <= len(values) <= len(LIST_FILTERS)
+        # Only as encode_cursor writes it: no unfiltered value after the first.
+        or (len(values) > 1 and not values[-1])
+        or any(
+            value and value not in list_filter.choices
+            for value, list_filter in zip(values, LIST_FILTERS, strict=False)
+        )
+    ):
         raise ValueError("not a cursor")
-    return Position(int(match[1]), match[2] or None)
+    walk = [value or None for value in values] + [None] * (len(LIST_FILTERS) - len(values))
+    return Position(int(last_id), tuple(walk))
 
 
-def next_page_query(last_id: int, limit: int, status: str | None) -> str:
+def next_page_query(last_id: int, limit: int, walk: Walk) -> str:
     """Return the query of the URL of the page after `last_id`: the same for every client."""
-    query = {"limit": limit, "status": status, "cursor": encode_cursor(Position(last_id, status))}
+    filters = zip((list_filter.name for list_filter in LIST_FILTERS), walk, strict=True)
+    query = {"limit": limit, **dict(filters), "cursor": encode_cursor(Position(last_id, walk))}
     return urlencode({name: value for name, value in query.items() if value is not None})
 
 

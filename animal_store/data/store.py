@@ -11,6 +11,7 @@ per KEY_LAST_USED_RESOLUTION: it may lag while the database stalls, and a crash 
 written yet, but it never delays or fails a request and never mixes with what a view writes.
 """
 
+import itertools
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, NotRequired, TypedDict, cast
@@ -18,6 +19,7 @@ from typing import Any, NotRequired, TypedDict, cast
 import sqlalchemy as sa
 
 from animal_store.data import keyset, standbys
+from animal_store.data.filters import LIST_FILTERS, Walk
 from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db
 
@@ -34,7 +36,18 @@ LIST_PAGE = (
     .order_by(Pet.id)
     .limit(sa.bindparam("limit"))
 )
-LIST_PAGE_WITH_STATUS = LIST_PAGE.where(Pet.status == sa.bindparam("status"))
+# One select per combination of the list's filters, keyed by which of them a walk gives, each
+# bound under the filter's name.
+LIST_PAGES = {
+    given: LIST_PAGE.where(
+        *(
+            list_filter.column == sa.bindparam(list_filter.name)
+            for list_filter, on in zip(LIST_FILTERS, given, strict=True)
+            if on
+        )
+    )
+    for given in itertools.product((False, True), repeat=len(LIST_FILTERS))
+}
 PET_BY_ID = PET_ROW.where(Pet.id == sa.bindparam("pet_id"))
 # A key is found by its own hash or, for the grace of a rotation, by the one it replaced.
 KEY_BY_HASH = sa.select(
@@ -95,11 +108,12 @@ class KeyRow(TypedDict):
     previous_key_expires_at: datetime | None
 
 
-def pets_after(after: int, limit: int, status: str | None) -> list[PageRow]:
-    """Return up to `limit` animals with ids above `after`, in id order, of one status or any,
-    each with whether it is settled (keyset.settled_prefix)."""
-    select = LIST_PAGE if status is None else LIST_PAGE_WITH_STATUS
-    return read_page(select, {"after": after, "limit": limit, "status": status}, PETS)
+def pets_after(after: int, limit: int, walk: Walk) -> list[PageRow]:
+    """Return up to `limit` animals with ids above `after`, in id order, those the walk's filters
+    keep, each with whether it is settled (keyset.settled_prefix)."""
+    select = LIST_PAGES[tuple(value is not None for value in walk)]
+    values = dict(zip((list_filter.name for list_filter in LIST_FILTERS), walk, strict=True))
+    return read_page(select, {"after": after, "limit": limit, **values}, PETS)
 
 
 def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table) -> list[PageRow]:
