@@ -179,16 +179,6 @@ class ListQueryBase(Schema):
         unknown = EXCLUDE
 
     limit = QueryInteger(load_default=20, validate=validate.Range(1, 100))
-    next_release_filters = NEXT_RELEASE_FILTERS
-
-    @pre_load
-    def refuse_next_release_filters(self, data: Mapping[str, Any], **kwargs: Any) -> Any:
-        for name in self.next_release_filters:
-            if name in data:
-                raise ValidationError(
-                    "Not a filter of this release yet; the next one serves it.", name
-                )
-        return data
 
     @validates_schema
     def cursor_matches_filters(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -201,9 +191,28 @@ class ListQueryBase(Schema):
             )
 
 
+class RefusingNextReleaseFilters(ListQueryBase):
+    """listPets' query in a release whose next one serves more filters: those are refused (400)
+    where an unknown parameter is ignored."""
+
+    next_release_filters = NEXT_RELEASE_FILTERS
+
+    @pre_load
+    def refuse_next_release_filters(self, data: Mapping[str, Any], **kwargs: Any) -> Any:
+        for name in self.next_release_filters:
+            if name in data:
+                raise ValidationError(
+                    "Not a filter of this release yet; the next one serves it.", name
+                )
+        return data
+
+
+# Only a release with a filter to come pays for the hook: about 24,000 instructions a request
+# (callgrind), whatever it does.
+QUERY_BASE = RefusingNextReleaseFilters if NEXT_RELEASE_FILTERS else ListQueryBase
 # A filter's parameter takes the values of the animal's field it matches, in the field's own type
 # (one component in the document: PetStatus), without what the body says of the field.
-ListQuerySchema = ListQueryBase.from_dict(
+ListQuerySchema = QUERY_BASE.from_dict(
     {
         **{
             list_filter.name: type(PetSchema().fields[list_filter.name])()
