@@ -18,6 +18,7 @@ from animal_store import errors
 from animal_store.api import Blueprint, Header
 from animal_store.data import keyset, store
 from animal_store.data.answers import json_response
+from animal_store.data.filters import walk_of
 from animal_store.data.models import Int64Id
 from animal_store.data.pagination import next_page_link, next_page_query
 from animal_store.extensions import db
@@ -119,7 +120,8 @@ def list_widgets(query):
     # A row past the page, or one not settled yet: the walk goes on after the last one shown.
     if len(rows) > len(shown):
         last_id = shown[-1]["id"] if shown else after
-        response.headers["Link"] = next_page_link(next_page_query(last_id, limit, None))
+        # A walk no filter narrows (widgets have none).
+        response.headers["Link"] = next_page_link(next_page_query(last_id, limit, walk_of({})))
     return response
 
 
