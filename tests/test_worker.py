@@ -8,9 +8,11 @@ the app left unread ends gracefully, so its answer arrives whole.
 a reload onto a release with other worker code in tests/test_releases.py.)"""
 
 import json
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import IN_SQLITE_PASS, Gunicorn
@@ -92,6 +94,47 @@ def test_a_body_that_stops_coming_is_answered_408_and_frees_the_worker(
         assert (status, body["code"], body["message"]) == (408, "request_timeout", expected)
     assert count_pets() == 0
     assert '"status":500' not in worker_gunicorn.log()
+
+
+def test_a_connection_a_worker_holds_is_blocking_and_closed_on_exec(worker_gunicorn, api_key):
+    # The worker skips gunicorn's fcntl(2) calls that make both so (Worker.accept): Python's
+    # accept must have made them so already, read here from the kernel's own record of the
+    # worker's descriptor. Non-blocking, the worker's reads would fail; inherited, a process
+    # the app started would hold the client's connection open.
+    head = b"POST /v1/pets HTTP/1.1\r\nContent-Type: application/json\r\n"
+    stalled = send(worker_gunicorn.port, head, api_key, STALLED_BODIES["content-length"])
+    try:
+        client_port = stalled.getsockname()[1]
+        flags = descriptor_flags(worker_gunicorn.process.pid, worker_gunicorn.port, client_port)
+    finally:
+        read_answer(stalled)
+    assert flags & os.O_CLOEXEC, f"flags {flags:o}"
+    assert not flags & os.O_NONBLOCK, f"flags {flags:o}"
+
+
+def descriptor_flags(master: int, port: int, client_port: int, timeout: float = 10) -> int:
+    """Return the open flags of the descriptor by which a worker of `master` holds the connection
+    from `client_port` to `port`, once a worker has accepted it (/proc/net/tcp names its inode)."""
+    local, remote = f"0100007F:{port:04X}", f"0100007F:{client_port:04X}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        inodes = {
+            fields[9]
+            for fields in map(str.split, Path("/proc/net/tcp").read_text().splitlines()[1:])
+            if (fields[1], fields[2]) == (local, remote)
+        }
+        workers = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+        for worker in workers:
+            for descriptor in Path(f"/proc/{worker}/fd").iterdir():
+                try:
+                    target = os.readlink(descriptor)
+                except FileNotFoundError:
+                    continue  # closed meanwhile
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    info = Path(f"/proc/{worker}/fdinfo/{descriptor.name}").read_text()
+                    return int(info.split("flags:")[1].split()[0], 8)
+        time.sleep(0.05)
+    raise AssertionError(f"no worker of {master} holds the connection from port {client_port}")
 
 
 def test_a_client_that_keeps_its_connection_open_holds_no_worker(worker_gunicorn, api_key):

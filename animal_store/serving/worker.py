@@ -169,6 +169,15 @@ class Worker(SyncWorker):
             if self.counts is not None:
                 self.counts.idle(time.monotonic() - started)
 
+    def accept(self, listener: socket.socket) -> None:
+        """Take a connection: gunicorn's, without its two system calls on the new socket that
+        Python's accept(2) did already (tests/test_worker.py holds both true): making it blocking
+        (Linux's accept gives a blocking socket, and Python takes it so from a listener whose
+        timeout is 0) and closed on exec (SOCK_CLOEXEC). Four fcntl(2) a connection, which pay
+        for the Connection it becomes."""
+        client, addr = listener.accept()
+        self.handle(listener, client, addr)
+
     def handle(self, listener: socket.socket, client: socket.socket, addr: Any) -> None:
         """Serve a connection whose reads end at its deadlines (class Connection): the head's
         first, from now."""
