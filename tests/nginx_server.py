@@ -3,22 +3,65 @@
 Standard library only: benchmarks/http_bench.py drives the same nginx without the test extras.
 """
 
+import fcntl
+import functools
+import itertools
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
+# The ports of the servers tests start: below the kernel's range for the local ports of outgoing
+# connections (32768-60999), where a port the kernel would choose (a bind to 0) lies and where a
+# client's connection could take it before the server binds it (CI saw gunicorn refused so). Each
+# process that chooses ports at once (CI's two passes, its benchmark smokes) takes a block of its
+# own, locked for its life, and walks it in turn: no two processes choose the same port.
+PORTS_FROM, PORTS_PER_BLOCK, BLOCKS = 10_000, 2_000, 11
+PORT_BLOCKS = Path(tempfile.gettempdir()) / "animal-store-port-blocks"
+_ports: "Iterator[int] | None" = None
+_held = []  # the lock of this process's block, open as long as it lives
+
+
 def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """Return a loopback port no server listens on, nor will another process choose."""
+    global _ports
+    if _ports is None:
+        _ports = itertools.cycle(range(*port_block()))
+    for port in itertools.islice(_ports, PORTS_PER_BLOCK):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # a server listens on it (the machine's own, or a test's still)
+            return port
+    raise RuntimeError(f"no free port in {port_block()}")
+
+
+@functools.cache
+def port_block():
+    """Claim a block of ports no other process holds (a lock the kernel drops when the process
+    ends): the range's start and end."""
+    PORT_BLOCKS.mkdir(exist_ok=True)
+    for block in range(BLOCKS):
+        lock = open(PORT_BLOCKS / str(block), "a")  # noqa: SIM115 - held for the process's life
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        _held.append(lock)
+        start = PORTS_FROM + block * PORTS_PER_BLOCK
+        return start, start + PORTS_PER_BLOCK
+    raise RuntimeError(f"{BLOCKS} processes hold every block of ports in {PORT_BLOCKS}")
 
 
 def stop_process(process, timeout):
