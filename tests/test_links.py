@@ -8,9 +8,25 @@ import pytest
 
 PUBLIC_URL = "https://api.animal-store.example"
 # Hosts a client may name: any of them, and the links stay on PUBLIC_URL.
-CLIENT_HOSTS = ["evil.example", "evil.example:8443", "localhost", "127.0.0.1:5000"]
+# (Those with IPv6 or a port of five digits are read by Werkzeug, past http/host.py's quick look.)
+CLIENT_HOSTS = [
+    "evil.example",
+    "evil.example:8443",
+    "localhost",
+    "127.0.0.1:5000",
+    "[::1]:8000",
+    "evil.example:65535",
+]
 # Hosts Werkzeug cannot read, which it would take for no host at all.
-MALFORMED_HOSTS = ["a@evil.example", "bad/host", "evil.example:99999", "evil.example:port", " "]
+MALFORMED_HOSTS = [
+    "a@evil.example",
+    "bad/host",
+    "evil.example:99999",
+    "evil.example:65536",
+    "evil.example:0",
+    "evil.example:port",
+    " ",
+]
 
 
 @pytest.fixture

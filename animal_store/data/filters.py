@@ -44,6 +44,10 @@ LIST_FILTERS = (ListFilter("status", PETS.c.status),)
 NEXT_RELEASE_FILTERS: tuple[str, ...] = ()
 
 
+# Their names, in order.
+LIST_FILTER_NAMES = tuple(list_filter.name for list_filter in LIST_FILTERS)
+
+
 def walk_of(values: Mapping[str, Any]) -> Walk:
     """Return the walk a request's loaded query (or any mapping of filter names) asks for."""
-    return tuple(values.get(list_filter.name) for list_filter in LIST_FILTERS)
+    return tuple(map(values.get, LIST_FILTER_NAMES))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from animal_store.current import REQUEST
-from animal_store.data.filters import LIST_FILTERS, Walk
+from animal_store.data.filters import LIST_FILTER_NAMES, LIST_FILTERS, Walk
 from animal_store.links import absolute_url
 
 # The payload is "1.<last id>" and then ".<value>" for each filter, in LIST_FILTERS' order, empty
@@ -90,7 +90,7 @@ def decode_cursor(cursor: str) -> Position:
 
 def next_page_query(last_id: int, limit: int, walk: Walk) -> str:
     """Return the query of the URL of the page after `last_id`: the same for every client."""
-    filters = zip((list_filter.name for list_filter in LIST_FILTERS), walk, strict=True)
+    filters = zip(LIST_FILTER_NAMES, walk, strict=True)
     query = {"limit": limit, **dict(filters), "cursor": encode_cursor(Position(last_id, walk))}
     return urlencode({name: value for name, value in query.items() if value is not None})
 

@@ -19,7 +19,7 @@ from typing import Any, NotRequired, TypedDict, cast
 import sqlalchemy as sa
 
 from animal_store.data import keyset, standbys
-from animal_store.data.filters import LIST_FILTERS, Walk
+from animal_store.data.filters import LIST_FILTER_NAMES, LIST_FILTERS, Walk
 from animal_store.data.models import ApiKey, Pet
 from animal_store.extensions import db
 
@@ -112,7 +112,7 @@ def pets_after(after: int, limit: int, walk: Walk) -> list[PageRow]:
     """Return up to `limit` animals with ids above `after`, in id order, those the walk's filters
     keep, each with whether it is settled (keyset.settled_prefix)."""
     select = LIST_PAGES[tuple(value is not None for value in walk)]
-    values = dict(zip((list_filter.name for list_filter in LIST_FILTERS), walk, strict=True))
+    values = dict(zip(LIST_FILTER_NAMES, walk, strict=True))
     return read_page(select, {"after": after, "limit": limit, **values}, PETS)
 
 
