@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as WaitTimedOut
 from typing import TYPE_CHECKING, Any, cast
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 # Seconds after a deadline passed during which the process answers 503 without trying.
 RETRY_INTERVAL = 1.0
+# The share of a request's deadline the primary has where standbys may answer without it.
+PRIMARY_SHARE = 0.3
 # Threads opening connections for requests short of time; an abandoned attempt holds one for
 # at most DATABASE_CONNECT_TIMEOUT.
 CONNECTING_THREADS = 4
@@ -214,6 +216,26 @@ def shorten_deadline(seconds: float) -> None:
     g.database_probe = True
 
 
+@contextlib.contextmanager
+def primary_share() -> Iterator[None]:
+    """Give the primary at most PRIMARY_SHARE of what is left of the request's deadline for what
+    runs within, as a probe: where standbys can answer without it (without_primary.py), a hung
+    primary costs the request that share, and the rest is theirs. A probe's miss holds back no
+    other request (the Backoff): a creation, which has no standby to turn to, still waits its
+    whole deadline for a primary, the one a host list reaches next included."""
+    deadline = g.get("database_deadline")
+    if deadline is None:
+        yield
+        return
+    now = time.monotonic()
+    probe = g.get("database_probe", False)
+    g.database_deadline, g.database_probe = now + (deadline - now) * PRIMARY_SHARE, True
+    try:
+        yield
+    finally:
+        g.database_deadline, g.database_probe = deadline, probe
+
+
 def time_left() -> float | None:
     """Return the seconds left of this request's database deadline, None where it has none."""
     deadline = g.get("database_deadline")
@@ -228,7 +250,7 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     if engine.dialect.name != "postgresql":
         return ()
     seconds = settings(app).DATABASE_DEADLINE
-    watch_engine(engine, settings(app).DATABASE_CONNECT_TIMEOUT)
+    watch_engine(engine)
 
     def start_deadline() -> None:
         g.database_deadline = time.monotonic() + seconds
@@ -236,9 +258,7 @@ def init_deadlines(app: Flask) -> tuple[Callable[[], None], ...]:
     return (start_deadline,)
 
 
-def watch_engine(
-    engine: Engine, connect_timeout: float, deadline: str = "database_deadline"
-) -> Backoff:
+def watch_engine(engine: Engine, deadline: str = "database_deadline") -> Backoff:
     """Hold each connection of the engine that a request checks out to the request's deadline,
     in g under `deadline` (the standbys' engine has one of its own: standbys.py), and ping it on
     checkout; return the engine's Backoff."""
@@ -255,9 +275,12 @@ def watch_engine(
         held = request_deadline(backoff, deadline)
         if held is None:
             return None  # SQLAlchemy connects, within libpq's connect_timeout
+        # As long as the deadline lets it: libpq bounds each host it tries by connect_timeout,
+        # and a host list (DATABASE_URL's) may need one host's time and then the next's (a host
+        # that hangs first, the primary after it).
         left = held[0] - time.monotonic()
         connection = WATCHDOG.connect_within(
-            lambda: dialect.connect(*cargs, **cparams), min(left, connect_timeout), held[1]
+            lambda: dialect.connect(*cargs, **cparams), left, held[1]
         )
         # Watched from now on: a new engine's first connection runs SQLAlchemy's first queries
         # (the server's version...) before the checkout event.

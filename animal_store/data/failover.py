@@ -19,6 +19,7 @@ Two things follow from it, both on PostgreSQL (docs/deploy.rst, High availabilit
   them from.
 """
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -32,15 +33,21 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from animal_store.data.database_faults import is_read_only_refusal
+from animal_store.data.deadlines import primary_share
 from animal_store.data.keyset import TIMELINE
-from animal_store.extensions import db
+from animal_store.extensions import db, settings
 
 # How long a worker answers from what it kept before it asks the database again who it is.
 CONFIRM_EVERY = 1.0
+# Seconds between two reads that ask a primary that failed: a hung primary costs a read
+# PRIMARY_SHARE of its deadline (deadlines.py) that often, not each read.
+RETRY_INTERVAL = 2.0
 # With the server, its timeline (standbys.py reads only from standbys on it): 0 on a server in
-# recovery, which has none of its own.
+# recovery, which has none of its own; and whether it commits synchronously (without_primary.py
+# reads without it only then).
 SERVER_QUERY = (
-    f"SELECT pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN 0 ELSE {TIMELINE} END"
+    f"SELECT pg_postmaster_start_time(), CASE WHEN pg_is_in_recovery() THEN 0 ELSE {TIMELINE} END, "
+    "current_setting('synchronous_standby_names') <> ''"
 )
 SERVER = text(SERVER_QUERY)
 STATE = "animal_store_failover"
@@ -50,11 +57,23 @@ class Server:
     """Which server this worker's memos came from, and when to ask again. Requests on several
     threads (the development server) may ask at once: both answers are the same server."""
 
-    def __init__(self, memos: tuple[str, ...]) -> None:
+    def __init__(self, memos: tuple[str, ...], standbys: bool) -> None:
         self.memos = memos
+        # With standbys (DATABASE_READ_URL), which may answer reads without the primary: the
+        # primary's share of a request's deadline, else all of it.
+        self.bounded = primary_share if standbys else contextlib.nullcontext
         self.started: datetime | None = None
         # The primary's timeline when last asked (None before): kept while it does not answer.
         self.timeline: int | None = None
+        # The host and port the worker last reached the primary on, as libpq names them (one of
+        # DATABASE_URL's hosts): kept while it does not answer (without_primary.py).
+        self.host: str | None = None
+        # Whether the primary, when last asked, committed only once a standby had the commit
+        # (synchronous_standby_names set): kept while it does not answer.
+        self.synchronous = False
+        # When the primary last failed a read that standbys could answer (without_primary.py);
+        # None: it answered the last.
+        self.failed_at: float | None = None
         self.ask_at = 0.0
         self.lock = threading.Lock()
 
@@ -78,7 +97,7 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
         if refused is not None and is_read_only_refusal(refused):
             context.is_disconnect = True
 
-    server = app.extensions[STATE] = Server(memos)
+    server = app.extensions[STATE] = Server(memos, settings(app).DATABASE_READ_URL is not None)
 
     @event.listens_for(engine, "connect")
     def ask_a_new_connection(connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
@@ -94,6 +113,9 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
             connection.rollback()
         if said is not None:  # always: one row
             learn(app, server, *said)
+            info = getattr(connection, "info", None)  # psycopg's: which of several hosts it is
+            if said[1] and info is not None:  # (a timeline: a primary's connection)
+                server.host = f"{info.host}:{info.port}"
 
     return (confirm_database,)
 
@@ -103,26 +125,33 @@ def confirm_database() -> None:
     cannot say which it is; asked at most once every CONFIRM_EVERY seconds."""
     server: Server = current_app.extensions[STATE]
     now = time.monotonic()
-    if now < server.ask_at:
+    if now < server.ask_at or not primary_due():
         return
     server.ask_at = now + CONFIRM_EVERY
     try:
         # A connection of its own, given back at once: the request's session stays out of any
         # transaction, which behind PgBouncer would hold a server connection for the request.
-        with db.engine.connect() as connection:
-            started, timeline = connection.execute(SERVER).one()
+        # Where standbys may serve without the primary, a hung one holds the request no longer
+        # than its share.
+        with server.bounded(), db.engine.connect() as connection:
+            started, timeline, synchronous = connection.execute(SERVER).one()
     except SQLAlchemyError:
         # The database does not answer: what it will hold when it does is unknown. The server
         # last seen stays known, so the one that answers next is told apart from it.
         forget(current_app, server)
+        if server.bounded is primary_share:
+            primary_fails()
         return
-    learn(current_app, server, started, timeline)
+    primary_answers()
+    learn(current_app, server, started, timeline, synchronous)
 
 
-def learn(app: Flask, server: Server, started: datetime, timeline: int) -> None:
+def learn(app: Flask, server: Server, started: datetime, timeline: int, synchronous: bool) -> None:
     """Take what the database said of itself: forget what the worker kept if it is another
     server than the one it was kept from."""
     server.timeline = timeline
+    if timeline:
+        server.synchronous = synchronous
     if started == server.started:
         return
     with server.lock:
@@ -143,6 +172,47 @@ def primary_timeline() -> int | None:
     """The timeline of the primary as this worker last asked it, None before (or on SQLite)."""
     server: Server | None = current_app.extensions.get(STATE)
     return None if server is None else server.timeline
+
+
+def primary_host() -> str | None:
+    """The host and port this worker last reached the primary on, None before (or on SQLite)."""
+    server: Server | None = current_app.extensions.get(STATE)
+    return None if server is None else server.host
+
+
+def primary_fails() -> None:
+    """Note that the primary failed a read that standbys could answer: the worker reads on the
+    standbys alone (without_primary.py) until the primary answers again, asked once every
+    RETRY_INTERVAL (primary_due)."""
+    server: Server | None = current_app.extensions.get(STATE)
+    if server is not None:
+        server.failed_at = time.monotonic()
+
+
+def primary_answers() -> None:
+    server: Server | None = current_app.extensions.get(STATE)
+    if server is not None:
+        server.failed_at = None
+
+
+def primary_down() -> bool:
+    """Whether the primary failed the last read it was asked (primary_fails)."""
+    server: Server | None = current_app.extensions.get(STATE)
+    return server is not None and server.failed_at is not None
+
+
+def primary_due() -> bool:
+    """Whether the primary is to be asked: it answered last, or RETRY_INTERVAL has passed since
+    it failed."""
+    server: Server | None = current_app.extensions.get(STATE)
+    failed_at = None if server is None else server.failed_at
+    return failed_at is None or time.monotonic() - failed_at >= RETRY_INTERVAL
+
+
+def primary_synchronous() -> bool:
+    """Whether the primary, when this worker last asked it, committed synchronously."""
+    server: Server | None = current_app.extensions.get(STATE)
+    return server is not None and server.synchronous
 
 
 def forget(app: Flask, server: Server) -> None:

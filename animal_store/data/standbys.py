@@ -48,6 +48,7 @@ from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
 from animal_store.data.failover import primary_timeline
 from animal_store.data.keyset import Position
+from animal_store.data.without_primary import StandbyHosts
 from animal_store.extensions import settings
 from animal_store.settings import read_database_uri
 
@@ -122,9 +123,11 @@ class Standbys:
         self.engine = sa.create_engine(
             url, **{**app.config["SQLALCHEMY_ENGINE_OPTIONS"], "isolation_level": "AUTOCOMMIT"}
         )
-        watch_engine(self.engine, config.DATABASE_CONNECT_TIMEOUT, "standby_deadline")
+        watch_engine(self.engine, "standby_deadline")
         self.paused_until = 0.0
         self.hidden_said = False
+        # Each standby on its own, for the reads the primary cannot answer.
+        self.without_primary = StandbyHosts(app, url)
 
     def read(
         self, at_least: Position | None, behind: str, read: Callable[[sa.Connection], Rows]
@@ -211,6 +214,7 @@ class Standbys:
 
     def close(self) -> None:
         self.engine.dispose()
+        self.without_primary.close()
 
 
 def sent_back(reason: str) -> None:
@@ -222,6 +226,12 @@ def read_on_primary() -> None:
     """Note, for the metrics (metrics.py), that the primary served a read, unless the reason a
     standby did not is noted already."""
     g.setdefault("database_read", "primary")
+
+
+def read_without_primary() -> None:
+    """Note, for the metrics, that a standby holding every acknowledged commit served a read the
+    primary could not (without_primary.py)."""
+    g.database_read = "without_primary"
 
 
 def init_standbys(app: Flask) -> None:

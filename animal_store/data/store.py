@@ -14,13 +14,19 @@ written yet, but it never delays or fails a request and never mixes with what a 
 import itertools
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, TypeVar, cast
 
 import sqlalchemy as sa
+from flask import g
+from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data import keyset, standbys
+from animal_store.data.database_faults import is_database_outage
+from animal_store.data.deadlines import DeadlinePassed, primary_share
+from animal_store.data.failover import primary_answers, primary_down, primary_due, primary_fails
 from animal_store.data.filters import LIST_FILTER_NAMES, LIST_FILTERS, Walk
 from animal_store.data.models import ApiKey, Pet
+from animal_store.data.without_primary import Unproven
 from animal_store.extensions import db
 
 # The mapped table, which the ORM types only as a FROM clause (a class may map a join).
@@ -70,6 +76,8 @@ KEY_BY_HASH = sa.select(
 # cost about 350 of the 1,400 µs of CPU a creation took (measured in process, issue 7).
 # The id is the database's: on PostgreSQL a trigger takes it in order (keyset.py).
 INSERT_PET = sa.insert(PETS).returning(PETS.c.id)
+
+Rows = TypeVar("Rows")
 
 
 class NewPet(TypedDict):
@@ -126,10 +134,38 @@ def read_page(select: sa.Executable, values: Mapping[str, Any], table: sa.Table)
     reads `values["limit"]`: the rows asked, one past the page.
     """
     reads = standbys.standbys()
-    if reads is not None:
-        on_standby = reads.read(*page_on_standby(select, values, table))
-        if on_standby is not None:
-            return on_standby
+    if reads is None:
+        return read_page_on_primary(select, values, table, None)
+    # Where the primary cannot answer, every row a standby that holds every acknowledged commit
+    # shows is one to show (without_primary.py).
+    everything = {**values, keyset.SETTLED_TO_PARAMETER: keyset.INT64_MAX}
+    # While the primary is down, what asks it is the primary's page alone.
+    down = primary_down()
+    return without_primary(
+        lambda: (
+            read_page_on_primary(select, values, table, reads)
+            if down
+            else read_page_with_standbys(select, values, table, reads)
+        ),
+        lambda connection: cast("list[PageRow]", read_on(connection, select, everything)),
+    )
+
+
+def read_page_with_standbys(
+    select: sa.Executable, values: Mapping[str, Any], table: sa.Table, reads: "standbys.Standbys"
+) -> list[PageRow]:
+    on_standby = reads.read(*page_on_standby(select, values, table))
+    if on_standby is not None:
+        return on_standby
+    return read_page_on_primary(select, values, table, reads)
+
+
+def read_page_on_primary(
+    select: sa.Executable,
+    values: Mapping[str, Any],
+    table: sa.Table,
+    reads: "standbys.Standbys | None",
+) -> list[PageRow]:
     standbys.read_on_primary()
     with db.engine.connect() as connection:
         known = keyset.known_settled_to(connection, table)
@@ -197,19 +233,24 @@ def ask_position(table: sa.Table) -> tuple[int, keyset.Position]:
 def find_pet(pet_id: int) -> PetRow | None:
     """Return the animal with this id, or None: from a standby where it has it (an animal never
     changes), from the primary otherwise, and before None (never a standby's not found)."""
+    values = {"pet_id": pet_id}
     reads = standbys.standbys()
-    if reads is not None:
+    if reads is None:
+        standbys.read_on_primary()
+        rows = read(PET_BY_ID, values)
+        return cast("PetRow", rows[0]) if rows else None
+    if not primary_down():
         # Any position on the primary's timeline holds an animal it has (it never changes).
-        found = reads.read(
-            None, "walk", lambda connection: read_on(connection, PET_BY_ID, {"pet_id": pet_id})
-        )
+        found = reads.read(None, "walk", lambda connection: read_on(connection, PET_BY_ID, values))
         if found:
             return cast("PetRow", found[0])
         if found is not None:
             standbys.sent_back("not_found")
-    standbys.read_on_primary()
-    rows = cast("list[PetRow]", read(PET_BY_ID, {"pet_id": pet_id}))
-    return rows[0] if rows else None
+        standbys.read_on_primary()
+    rows = without_primary(
+        lambda: read(PET_BY_ID, values), lambda connection: read_on(connection, PET_BY_ID, values)
+    )
+    return cast("PetRow", rows[0]) if rows else None
 
 
 def add_pet(connection: sa.Connection, pet: NewPet) -> int:
@@ -220,8 +261,45 @@ def add_pet(connection: sa.Connection, pet: NewPet) -> int:
 
 def find_key(key_hash: bytes) -> KeyRow | None:
     """Return the unrevoked key with this hash, or that this hash was before a rotation, or None."""
-    rows = cast("list[KeyRow]", read(KEY_BY_HASH, {"key_hash": key_hash}))
-    return rows[0] if rows else None
+    values = {"key_hash": key_hash}
+    if standbys.standbys() is None:
+        rows = read(KEY_BY_HASH, values)
+    else:
+        rows = without_primary(
+            lambda: read(KEY_BY_HASH, values),
+            lambda connection: read_on(connection, KEY_BY_HASH, values),
+        )
+        g.pop("database_read", None)  # (the metrics count the operation's read, not the key's)
+    return cast("KeyRow", rows[0]) if rows else None
+
+
+def without_primary(
+    on_primary: Callable[[], Rows], on_standby: Callable[[sa.Connection], Rows]
+) -> Rows:
+    """Return what `on_primary` reads; where the primary cannot answer, what `on_standby` reads
+    on a standby that holds every acknowledged commit (without_primary.py), or the primary's
+    failure, which the API answers 503, where none can be shown to."""
+    failure: SQLAlchemyError | None = None
+    if primary_due():
+        try:
+            with primary_share():
+                rows = on_primary()
+        except SQLAlchemyError as error:
+            if not is_database_outage(error):
+                raise
+            primary_fails()
+            failure = error
+        else:
+            primary_answers()
+            return rows
+    try:
+        rows = cast("standbys.Standbys", standbys.standbys()).without_primary.read(on_standby)
+    except Unproven:
+        if failure is not None:
+            raise failure from None
+        raise DeadlinePassed("The primary failed moments ago; no standby can answer") from None
+    standbys.read_without_primary()
+    return rows
 
 
 def record_key_use(key_id: int, now: datetime, resolution: timedelta) -> None:

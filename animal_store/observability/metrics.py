@@ -102,9 +102,11 @@ DATABASE_REFUSALS = Counter(
 DATABASE_READS = Counter(
     "animal_store_database_reads",
     "Reads of listPets and getPet that reached a database, by the server that served them: "
-    "primary, standby (only with DATABASE_READ_URL).",
+    "primary, standby (only with DATABASE_READ_URL), without_primary (a standby holding every "
+    "acknowledged commit, while the primary cannot answer).",
     ["server"],
 )
+SERVERS = ("primary", "standby", "without_primary")
 READS_SENT_TO_PRIMARY = Counter(
     "animal_store_database_reads_sent_to_primary",
     "Reads the primary served although standbys are configured, by reason: walk (a standby "
@@ -236,7 +238,7 @@ class RequestMetrics:
                 self.counted[AUTH_FAILURES.labels(reason)] += 1
             if refusal:
                 self.counted[DATABASE_REFUSALS.labels(refusal)] += 1
-            if read in ("standby", "primary"):
+            if read in SERVERS:
                 self.counted[DATABASE_READS.labels(read)] += 1
             elif read:
                 self.counted[DATABASE_READS.labels("primary")] += 1
@@ -313,6 +315,7 @@ def init_metrics(app: Flask) -> RequestMetrics:
     DATABASE_READS.labels("primary")
     if settings(app).DATABASE_READ_URL is not None:
         DATABASE_READS.labels("standby")
+        DATABASE_READS.labels("without_primary")
     for why in standbys.REASONS:
         READS_SENT_TO_PRIMARY.labels(why)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
