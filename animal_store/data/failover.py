@@ -114,8 +114,10 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
         if said is not None:  # always: one row
             learn(app, server, *said)
             info = getattr(connection, "info", None)  # psycopg's: which of several hosts it is
-            if said[1] and info is not None:  # (a timeline: a primary's connection)
-                server.host = f"{info.host}:{info.port}"
+            if said[1]:  # (a timeline: a primary's connection)
+                server.failed_at = None  # it answers (without_primary.py)
+                if info is not None:
+                    server.host = f"{info.host}:{info.port}"
 
     return (confirm_database,)
 

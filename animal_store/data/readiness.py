@@ -45,6 +45,8 @@ DISK_FULL = "disk full"
 WAITING_FOR_STANDBY = "waiting for a synchronous standby"
 # A server that takes only reads: a standby, a primary set read-only. /readyz answers it 503.
 READ_ONLY = "read only"
+# No primary answers, and the standbys serve the reads without it (data/without_primary.py).
+READS_ONLY = "reads only: no primary"
 
 # PostgreSQL's refusal of a file that cannot grow (disk_full).
 DISK_FULL_SQLSTATE = "53100"

@@ -45,10 +45,10 @@ from prometheus_client import Gauge
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data.database_faults import first_line
-from animal_store.data.deadlines import time_left, watch_engine
+from animal_store.data.deadlines import shorten_deadline, time_left, watch_engine
 from animal_store.data.failover import primary_timeline
 from animal_store.data.keyset import Position
-from animal_store.data.without_primary import StandbyHosts
+from animal_store.data.without_primary import StandbyHosts, Unproven
 from animal_store.extensions import settings
 from animal_store.settings import read_database_uri
 
@@ -232,6 +232,20 @@ def read_without_primary() -> None:
     """Note, for the metrics, that a standby holding every acknowledged commit served a read the
     primary could not (without_primary.py)."""
     g.database_read = "without_primary"
+
+
+def serve_without_primary(seconds: float) -> bool:
+    """Whether the standbys alone serve the reads now, as a read the primary cannot answer is
+    served (without_primary.py), shown within `seconds`: False without standbys."""
+    reads = standbys()
+    if reads is None:
+        return False
+    shorten_deadline(seconds)
+    try:
+        reads.without_primary.read(lambda _connection: None)
+    except Unproven:
+        return False
+    return True
 
 
 def init_standbys(app: Flask) -> None:

@@ -292,12 +292,19 @@ def without_primary(
         else:
             primary_answers()
             return rows
+    hosts = cast("standbys.Standbys", standbys.standbys()).without_primary
     try:
-        rows = cast("standbys.Standbys", standbys.standbys()).without_primary.read(on_standby)
-    except Unproven:
+        rows = hosts.read(on_standby)
+    except Unproven as unproven:
+        g.unproven = unproven.reason  # for the metrics
         if failure is not None:
             raise failure from None
         raise DeadlinePassed("The primary failed moments ago; no standby can answer") from None
+    if hosts.promoted:
+        # Read on the new primary among the standbys' hosts: it is not asked through
+        # DATABASE_URL, whose host list may try a host that hangs first, until the worker's own
+        # connection reaches a primary (failover.py).
+        primary_fails()
     standbys.read_without_primary()
     return rows
 

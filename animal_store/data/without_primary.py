@@ -57,6 +57,13 @@ SHARE = 0.9
 Rows = TypeVar("Rows")
 
 
+# Why the standbys could not show they hold every acknowledged commit (Unproven.reason): a host
+# did not answer; a standby has not streamed since it started; the one that received the most
+# did not replay it within the read's time; the primary was last seen committing asynchronously;
+# a standby failed the read.
+REASONS = ("unanswered", "unknown", "replay", "asynchronous", "down")
+
+
 class Unproven(Exception):  # noqa: N818 - not an error: a decision
     """No standby can be shown to hold every acknowledged commit, for `reason`."""
 
@@ -78,6 +85,9 @@ class StandbyHosts:
         one = parsed.difference_update_query(["host", "target_session_attrs", "load_balance_hosts"])
         options = {**app.config["SQLALCHEMY_ENGINE_OPTIONS"], "isolation_level": "AUTOCOMMIT"}
         self.engines: dict[str, sa.Engine] = {}
+        # Whether the last read was a promoted standby's: the primary, whom DATABASE_URL may
+        # reach only after a host that hangs.
+        self.promoted = False
         for host in hosts:
             name, _, port = host.rpartition(":") if ":" in host else (host, "", "5432")
             address = f"{name}:{port or 5432}"
@@ -110,6 +120,7 @@ class StandbyHosts:
     def every_acknowledged(self, connections: ExitStack) -> tuple[tuple[sa.Connection, int], int]:
         """Ask each standby, and return the one that received the most, with what it replayed,
         and that position (EVERY_ACKNOWLEDGED: the module's docstring)."""
+        self.promoted = False
         primary = primary_host()
         answers: list[tuple[int, int, sa.Connection]] = []
         for host, engine in self.engines.items():
@@ -123,6 +134,7 @@ class StandbyHosts:
             if not recovering:
                 # A standby promoted: the primary now, which holds every acknowledged commit
                 # (a synchronous standby is the one promoted), and which is read at once.
+                self.promoted = True
                 return (connection, 0), 0
             if received is None:
                 # It has not streamed since it started: what it has on disk, not yet replayed,

@@ -6,7 +6,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from animal_store.access import rate_limits
 from animal_store.data.database_faults import log_outage
 from animal_store.data.deadlines import shorten_deadline
-from animal_store.data.readiness import OK, READ_ONLY, write_state
+from animal_store.data.readiness import OK, READ_ONLY, READS_ONLY, write_state
+from animal_store.data.standbys import serve_without_primary
 from animal_store.errors import (
     DATABASE_READ_ONLY,
     OUTAGE_REASONS,
@@ -38,6 +39,11 @@ def readyz() -> tuple[dict[str, str], int]:
     shares the disk or the PostgreSQL server, so a load balancer that took them all out would
     stop the reads too.
 
+    With standbys (DATABASE_READ_URL), a primary that does not answer while the standbys serve
+    the reads without it (data/without_primary.py) is 200 too, "degraded", the database
+    "reads only: no primary": the instance serves every read and no creation, as every other
+    instance does then.
+
     The answer also says how rate limits are counted: "shared" (the configured limit holds),
     "per process" (each worker counts apart), "storage unreachable" (each worker counts apart
     until Redis answers again: the status is then "degraded") or "off". None of them makes the
@@ -51,6 +57,10 @@ def readyz() -> tuple[dict[str, str], int]:
         shorten_deadline(seconds)
         database = write_state(seconds)
     except SQLAlchemyError as error:
+        if serve_without_primary(seconds):
+            # Reads are served, creations are not: not ready for all, nor to be taken out.
+            counting = rate_limits.counting(current_app)
+            return {"status": "degraded", "database": READS_ONLY, "rateLimits": counting}, 200
         # Logged and counted as a request's refusal is: a refused login at ERROR, naming it.
         kind = outage_kind(error)
         report_outage(kind, getattr(error, "orig", None) or error)

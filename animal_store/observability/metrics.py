@@ -46,7 +46,7 @@ from prometheus_client import (
 )
 
 from animal_store.current import REQUEST, G
-from animal_store.data import standbys
+from animal_store.data import standbys, without_primary
 from animal_store.errors import OUTAGE_REASONS
 from animal_store.extensions import db, settings
 from animal_store.observability.master_metrics import InstanceProcesses
@@ -107,6 +107,15 @@ DATABASE_READS = Counter(
     ["server"],
 )
 SERVERS = ("primary", "standby", "without_primary")
+READS_UNPROVEN = Counter(
+    "animal_store_database_reads_unproven",
+    "Reads (and key look-ups) the primary could not answer and no standby could be shown to "
+    "hold every acknowledged commit for, answered 503, by reason: unanswered (a standby host "
+    "did not answer), unknown (a standby has not streamed since it started), replay (not "
+    "replayed in time), asynchronous (the primary was last seen committing asynchronously), "
+    "down (a standby failed the read).",
+    ["reason"],
+)
 READS_SENT_TO_PRIMARY = Counter(
     "animal_store_database_reads_sent_to_primary",
     "Reads the primary served although standbys are configured, by reason: walk (a standby "
@@ -243,6 +252,9 @@ class RequestMetrics:
             elif read:
                 self.counted[DATABASE_READS.labels("primary")] += 1
                 self.counted[READS_SENT_TO_PRIMARY.labels(read)] += 1
+            unproven = context.get("unproven")
+            if unproven:
+                self.counted[READS_UNPROVEN.labels(unproven)] += 1
             if context.get("request_shed"):
                 self.counted[SHED] += 1
         self.write_if_due()
@@ -316,6 +328,8 @@ def init_metrics(app: Flask) -> RequestMetrics:
     if settings(app).DATABASE_READ_URL is not None:
         DATABASE_READS.labels("standby")
         DATABASE_READS.labels("without_primary")
+        for reason in without_primary.REASONS:
+            READS_UNPROVEN.labels(reason)
     for why in standbys.REASONS:
         READS_SENT_TO_PRIMARY.labels(why)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
