@@ -15,6 +15,7 @@ Runs in the pass without TEST_DATABASE_URL (a cluster of its own); LOSS_SECONDS 
 environment (20) for a longer run.
 """
 
+import contextlib
 import itertools
 import os
 import random
@@ -51,40 +52,50 @@ PAGE = 7
 SERVED = ("by id", "by id, a new key", "page", "last page")
 
 
-@pytest.fixture
-def shape(tmp_path):
-    """A sync primary, its two standbys, and two gunicorn workers reading from them."""
+@contextlib.contextmanager
+def three_machines():
+    """A sync primary and its two standbys, and DATABASE_URL and DATABASE_READ_URL on the three
+    hosts, as docs/deploy.rst gives them: read-write, and standby."""
     primary = start_own_cluster(replication="sync")
-    servers = []
     try:
         url = primary.create_database("store")
         migrate_to_head(url)
         standbys = [primary.standby(), primary.standby()]
         hosts = ",".join(server.host_port for server in (primary, *standbys))
         database = f"postgresql://postgres@{hosts}/store"
-        env = {
-            "ANIMAL_STORE_DATABASE_READ_URL": (
+        yield {
+            "primary": primary,
+            "standbys": standbys,
+            "url": url,
+            "DATABASE_URL": f"{database}?target_session_attrs=read-write",
+            "DATABASE_READ_URL": (
                 f"{database}?target_session_attrs=standby&load_balance_hosts=random"
             ),
-            "ANIMAL_STORE_KEY_CACHE_SECONDS": str(KEY_CACHE_SECONDS),
-            "ANIMAL_STORE_RATELIMIT_ENABLED": "false",
         }
-        server = Gunicorn(
-            f"{database}?target_session_attrs=read-write",
-            workers=2,
-            env=env,
-            log_path=tmp_path / "gunicorn.log",
-        )
-        servers.append(server)
-        server.wait_until_serving()
-        yield {"primary": primary, "standbys": standbys, "server": server, "url": url}
     finally:
-        for server in servers:
-            server.stop()
         for standby in primary.standbys:
             standby.stop()
         primary.kill()  # killed or frozen by the test: nothing to shut down cleanly
         primary.stop()
+
+
+@pytest.fixture
+def shape(tmp_path):
+    """The three machines, and two gunicorn workers reading from the standbys."""
+    with three_machines() as machines:
+        env = {
+            "ANIMAL_STORE_DATABASE_READ_URL": machines["DATABASE_READ_URL"],
+            "ANIMAL_STORE_KEY_CACHE_SECONDS": str(KEY_CACHE_SECONDS),
+            "ANIMAL_STORE_RATELIMIT_ENABLED": "false",
+        }
+        server = Gunicorn(
+            machines["DATABASE_URL"], workers=2, env=env, log_path=tmp_path / "gunicorn.log"
+        )
+        try:
+            server.wait_until_serving()
+            yield {**machines, "server": server}
+        finally:
+            server.stop()
 
 
 def keys(url, *names):
@@ -324,12 +335,10 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
     assert reads.walks >= 3, reads.walks
     assert reads.statuses["revoked", 401] >= 10, reads.statuses
     # A hung primary holds the reads that meet it first their share of the deadline
-    # (PRIMARY_SHARE of 5 s). After the promotion, a new connection through either URL's host
-    # list may still meet the hung host first: reads wait up to a share of the deadline then
-    # (seen: 2.5 to 3.1 s; issue 56 goes on there). A killed one refuses at once.
+    # (PRIMARY_SHARE of 5 s; seen: 3.0 s without a 200); a killed one refuses at once. From the
+    # promotion on, the reads go to the new primary and never wait (seen: 0.01 to 0.05 s).
     assert reads.longest_pause() < 5, reads.longest_pause()
-    if fault == "killed":
-        assert reads.longest_pause(since=promoted) < 1, reads.longest_pause(since=promoted)
+    assert reads.longest_pause(since=promoted) < 2, reads.longest_pause(since=promoted)
     assert (ready.status_code, ready.json()["status"], ready.json()["database"]) == (
         200,
         "degraded",
@@ -353,50 +362,43 @@ def test_the_rate_limits_follow_redis_when_its_master_and_the_primary_go_togethe
     # both lost at once, the workers count in the new Redis master within the 10 s the docs
     # promise for Redis alone (they follow it as requests reach the limiter, and the reads go
     # on without the primary).
-    primary = start_own_cluster(replication="sync")
     (tmp_path / "sentinel").mkdir()
     sentinels = SentinelCluster(tmp_path / "sentinel")
-    servers = []
     try:
-        url = primary.create_database("store")
-        migrate_to_head(url)
-        standbys = [primary.standby(), primary.standby()]
-        hosts = ",".join(server.host_port for server in (primary, *standbys))
-        env = {
-            "ANIMAL_STORE_DATABASE_READ_URL": (
-                f"postgresql://postgres@{hosts}/store"
-                "?target_session_attrs=standby&load_balance_hosts=random"
-            ),
-            "ANIMAL_STORE_RATELIMIT_STORAGE_URI": sentinels.uri(),
-        }
-        server = Gunicorn(
-            f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
-            workers=2,
-            env=env,
-            log_path=tmp_path / "gunicorn.log",
-        )
-        servers.append(server.wait_until_serving())
-        sentinels.wait_until_watched()
-        (auth,), _ = keys(url, "limited")
-        old_port = sentinels.master().port
-        load = Load([server], auth)
-        try:
-            wait_until_counting_in([server], old_port, time.monotonic(), 30)
-            lost = time.monotonic()
-            sentinels.master().kill()
-            primary.kill()
-            new_port = sentinels.wait_for_new_master(old_port)
-            counted_in = wait_until_counting_in([server], new_port, lost, 30)
-        finally:
-            answers = load.stop()
-        print(f"every worker counting in the new master {counted_in:.1f} s after the loss")
-        assert counted_in < COUNTED_IN_WITHIN
-        assert all(acceptable(status, body) for status, body, _ in answers)
+        with three_machines() as machines:
+            env = {
+                "ANIMAL_STORE_DATABASE_READ_URL": machines["DATABASE_READ_URL"],
+                "ANIMAL_STORE_RATELIMIT_STORAGE_URI": sentinels.uri(),
+            }
+            server = Gunicorn(
+                machines["DATABASE_URL"], workers=2, env=env, log_path=tmp_path / "gunicorn.log"
+            )
+            try:
+                counted_in, answers = lose_both(server, sentinels, machines)
+            finally:
+                server.stop()
     finally:
-        for each in servers:
-            each.stop()
         sentinels.stop()
-        for standby in primary.standbys:
-            standby.stop()
-        primary.kill()
-        primary.stop()
+    print(f"every worker counting in the new master {counted_in:.1f} s after the loss")
+    assert counted_in < COUNTED_IN_WITHIN
+    assert all(acceptable(status, body) for status, body, _ in answers)
+
+
+def lose_both(server, sentinels, machines):
+    """Lose the Redis master and the primary at once, under load; return the seconds until
+    every worker counts in the new master, and the answers."""
+    server.wait_until_serving()
+    sentinels.wait_until_watched()
+    (auth,), _ = keys(machines["url"], "limited")
+    old_port = sentinels.master().port
+    load = Load([server], auth)
+    try:
+        wait_until_counting_in([server], old_port, time.monotonic(), 30)
+        lost = time.monotonic()
+        sentinels.master().kill()
+        machines["primary"].kill()
+        new_port = sentinels.wait_for_new_master(old_port)
+        counted_in = wait_until_counting_in([server], new_port, lost, 30)
+    finally:
+        answers = load.stop()
+    return counted_in, answers

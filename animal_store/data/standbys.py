@@ -45,7 +45,7 @@ from prometheus_client import Gauge
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data.database_faults import first_line
-from animal_store.data.deadlines import shorten_deadline, time_left, watch_engine
+from animal_store.data.deadlines import time_left, watch_engine
 from animal_store.data.failover import primary_timeline
 from animal_store.data.keyset import Position
 from animal_store.data.without_primary import StandbyHosts, Unproven
@@ -240,7 +240,8 @@ def serve_without_primary(seconds: float) -> bool:
     reads = standbys()
     if reads is None:
         return False
-    shorten_deadline(seconds)
+    # A deadline of its own, as a probe's: the primary's ran out before this is asked.
+    g.database_deadline, g.database_probe = time.monotonic() + seconds, True
     try:
         reads.without_primary.read(lambda _connection: None)
     except Unproven:

@@ -296,15 +296,16 @@ def without_primary(
     try:
         rows = hosts.read(on_standby)
     except Unproven as unproven:
+        if unproven.reason == "promoted":
+            # A standby is the primary now: asked through DATABASE_URL, with what is left of
+            # the deadline (a host list may try a host that hangs first).
+            rows = on_primary()
+            primary_answers()
+            return rows
         g.unproven = unproven.reason  # for the metrics
         if failure is not None:
             raise failure from None
         raise DeadlinePassed("The primary failed moments ago; no standby can answer") from None
-    if hosts.promoted:
-        # Read on the new primary among the standbys' hosts: it is not asked through
-        # DATABASE_URL, whose host list may try a host that hangs first, until the worker's own
-        # connection reaches a primary (failover.py).
-        primary_fails()
     standbys.read_without_primary()
     return rows
 

@@ -60,7 +60,7 @@ Rows = TypeVar("Rows")
 # Why the standbys could not show they hold every acknowledged commit (Unproven.reason): a host
 # did not answer; a standby has not streamed since it started; the one that received the most
 # did not replay it within the read's time; the primary was last seen committing asynchronously;
-# a standby failed the read.
+# a standby failed the read. (A standby that is the primary now sends the read to DATABASE_URL.)
 REASONS = ("unanswered", "unknown", "replay", "asynchronous", "down")
 
 
@@ -85,9 +85,6 @@ class StandbyHosts:
         one = parsed.difference_update_query(["host", "target_session_attrs", "load_balance_hosts"])
         options = {**app.config["SQLALCHEMY_ENGINE_OPTIONS"], "isolation_level": "AUTOCOMMIT"}
         self.engines: dict[str, sa.Engine] = {}
-        # Whether the last read was a promoted standby's: the primary, whom DATABASE_URL may
-        # reach only after a host that hangs.
-        self.promoted = False
         for host in hosts:
             name, _, port = host.rpartition(":") if ":" in host else (host, "", "5432")
             address = f"{name}:{port or 5432}"
@@ -120,7 +117,6 @@ class StandbyHosts:
     def every_acknowledged(self, connections: ExitStack) -> tuple[tuple[sa.Connection, int], int]:
         """Ask each standby, and return the one that received the most, with what it replayed,
         and that position (EVERY_ACKNOWLEDGED: the module's docstring)."""
-        self.promoted = False
         primary = primary_host()
         answers: list[tuple[int, int, sa.Connection]] = []
         for host, engine in self.engines.items():
@@ -132,10 +128,8 @@ class StandbyHosts:
             except SQLAlchemyError:
                 raise Unproven("unanswered") from None
             if not recovering:
-                # A standby promoted: the primary now, which holds every acknowledged commit
-                # (a synchronous standby is the one promoted), and which is read at once.
-                self.promoted = True
-                return (connection, 0), 0
+                # A standby promoted: the primary now, which DATABASE_URL reaches.
+                raise Unproven("promoted")
             if received is None:
                 # It has not streamed since it started: what it has on disk, not yet replayed,
                 # is unknown.
