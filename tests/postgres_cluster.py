@@ -137,6 +137,12 @@ class PostgresCluster:
             # wal_level=replica and 10 senders are PostgreSQL's defaults, spelled out as what a
             # standby needs; a standby keeps them so that, once promoted, it can have its own.
             self.options += " -c wal_level=replica -c max_wal_senders=10 -c hot_standby=on"
+            # Without a slot, a primary keeps no WAL for its standbys: a CHECKPOINT (a standby's
+            # base backup takes one) may remove a segment a standby has yet to stream, and that
+            # standby then stops for good ("requested WAL segment ... has already been
+            # removed"), while commits go on waiting only for the other (seen: a standby that
+            # lacked every key, promoted). What the tests write fits in this many times over.
+            self.options += " -c wal_keep_size=256MB"
         if self.name:
             self.options += f" -c cluster_name={self.name}"
         self.start()
@@ -338,7 +344,12 @@ class PostgresCluster:
         deadline = time.monotonic() + timeout
         while self.sql(query).strip() != "t":
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} has not replayed up to {lsn}")
+                here = self.sql("SELECT pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()")
+                there = self.primary.sql("SELECT * FROM pg_stat_replication")
+                raise TimeoutError(
+                    f"{self.name} has not replayed up to {lsn} (received, replayed: {here}); "
+                    f"the primary's pg_stat_replication:\n{there}\n{self.log()[-2000:]}"
+                )
             time.sleep(0.05)
 
     def promote(self, timeout: float = 60) -> None:
