@@ -24,10 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from flask import Flask, current_app
-from sqlalchemy import event, text
-from sqlalchemy.engine import ExceptionContext
+from sqlalchemy import Engine, event, text
+from sqlalchemy.engine import Dialect, ExceptionContext
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
@@ -119,7 +120,43 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
                 if info is not None:
                     server.host = f"{info.host}:{info.port}"
 
+    hosts = listed_hosts(engine)
+    if len(hosts) > 1:
+
+        @event.listens_for(engine, "do_connect", insert=True)
+        def primary_first(
+            _dialect: Dialect,
+            _record: ConnectionPoolEntry,
+            _cargs: tuple[Any, ...],
+            cparams: dict[str, Any],
+        ) -> None:
+            # libpq tries DATABASE_URL's hosts in order, each for up to connect_timeout, and one
+            # that hangs (its machine lost, or frozen) takes all of it: the host the worker last
+            # reached the primary on goes first while it answers, last once it failed, so that a
+            # new connection reaches a promoted standby within the request's deadline.
+            order = sorted(hosts, key=lambda host: rank(host, server))
+            cparams["host"] = ",".join(name for name, _ in order)
+            cparams["port"] = ",".join(port for _, port in order)
+
     return (confirm_database,)
+
+
+def listed_hosts(engine: Engine) -> list[tuple[str, str]]:
+    """DATABASE_URL's hosts and ports as libpq takes them: one pair for each of several hosts."""
+    cparams = engine.dialect.create_connect_args(engine.url)[1]
+    names = str(cparams.get("host", "")).split(",")
+    ports = str(cparams.get("port", "")).split(",")
+    if len(ports) == 1:
+        ports *= len(names)  # one port for every host, or libpq's default for each
+    return list(zip(names, ports, strict=True)) if len(ports) == len(names) else []
+
+
+def rank(host: tuple[str, str], server: Server) -> int:
+    """0 for the host the primary was last reached on while it answers, 2 once it failed, 1 for
+    the others (which keep their order: the sort is stable)."""
+    if server.host != f"{host[0]}:{host[1]}":
+        return 1
+    return 2 if server.failed_at is not None else 0
 
 
 def confirm_database() -> None:
