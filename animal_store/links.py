@@ -3,9 +3,7 @@
 from functools import lru_cache
 from urllib.parse import quote
 
-from flask import current_app
-
-from animal_store.current import REQUEST
+from animal_store.current import APP, REQUEST
 from animal_store.extensions import settings
 
 # What a URL path may hold unescaped (WHATWG's path segment set, and % for escapes already made).
@@ -15,7 +13,7 @@ URL_PATH_SAFE = "!$&'()*+,/:;=@%"
 def absolute_url(path: str) -> str:
     """Return the app's `path` (its root path included) as an absolute URL on PUBLIC_URL, or,
     where none is set, on the scheme and host this request reached (nginx's, forwarded)."""
-    origin = settings(current_app).PUBLIC_URL
+    origin = settings(APP._get_current_object()).PUBLIC_URL
     if origin is None:
         served = REQUEST._get_current_object()
         # Never empty: Werkzeug reads a missing Host as the server's own name, and a malformed

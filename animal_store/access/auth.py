@@ -12,7 +12,7 @@ from flask import current_app, g, request
 from animal_store import errors
 from animal_store.access import last_used
 from animal_store.access.auth_failures import AuthFailures
-from animal_store.current import G
+from animal_store.current import APP, REQUEST, G
 from animal_store.data import store
 from animal_store.data.models import ApiKey
 from animal_store.extensions import db, settings
@@ -116,7 +116,7 @@ KEY_CACHE = "animal_store_key_cache"
 
 def key_cache() -> KeyCache:
     """Return this app's key cache, made on first use so each process (worker) has its own."""
-    cache: KeyCache | None = current_app.extensions.get(KEY_CACHE)
+    cache: KeyCache | None = APP._get_current_object().extensions.get(KEY_CACHE)
     if cache is None:
         config = settings(current_app)
         cache = current_app.extensions.setdefault(
@@ -138,7 +138,9 @@ def auth_failures() -> AuthFailures | None:
 def presented_key() -> str | None:
     """Return the key from `Authorization: Bearer <key>`; the scheme is case-insensitive."""
     # The header as the WSGI environ holds it: no look-up through the request's headers.
-    scheme, _, credentials = request.environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    scheme, _, credentials = (
+        REQUEST._get_current_object().environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    )
     if scheme.lower() != "bearer":
         return None
     return credentials.strip() or None

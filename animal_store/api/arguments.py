@@ -5,12 +5,13 @@ from collections.abc import Mapping
 from typing import Any, NoReturn, cast
 
 from cachetools import LRUCache
-from flask import Request, request
+from flask import Request
 from marshmallow import Schema, ValidationError
 from webargs._types import ArgMap  # what a parser takes; webargs names it only there
 from webargs.flaskparser import FlaskParser
 
 from animal_store import errors
+from animal_store.current import REQUEST
 from animal_store.http.body import json_object_body
 
 
@@ -41,7 +42,8 @@ class ArgumentsParser(FlaskParser):
         first time a worker sees that text (a walk's pages and a client's polls repeat theirs)."""
         if location != "query":
             return super().parse(argmap, req, location=location, **kwargs)
-        key = (id(argmap), (req or request).query_string)  # a schema lives as long as its view
+        served = req or REQUEST._get_current_object()
+        key = (id(argmap), served.query_string)  # a schema lives as long as its view
         with self.lock:
             parsed = self.queries.get(key)
         if parsed is None:  # not remembered, or refused: a 400 is never remembered

@@ -3,7 +3,7 @@ headers every answer of the layer gets."""
 
 from email.utils import format_datetime
 
-from flask import Flask, Response, current_app, g
+from flask import Flask, Response, current_app
 
 from animal_store.access import rate_limits
 from animal_store.access.auth import authenticate
@@ -72,7 +72,7 @@ class Policies:
             return response
         if served.endpoint in self.protected:
             key = authenticate(SCOPE_OF_METHOD.get(served.method, WRITE_SCOPE))
-            g.rate_limit_window = rate_limits.count_request(
+            G._get_current_object().rate_limit_window = rate_limits.count_request(
                 self.limiter, key.budget, key.rate_limit
             )
         return None

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from cachetools import LRUCache
 from flask import Response, current_app
 
+from animal_store.current import APP
 from animal_store.extensions import settings
 
 # Where each process keeps its answers: in the app's extensions, so forgetting them is removing
@@ -57,7 +58,7 @@ class Answers:
 
 def answers() -> Answers:
     """This app's answers, made on first use so each process (worker) has its own."""
-    kept: Answers | None = current_app.extensions.get(KEPT)
+    kept: Answers | None = APP._get_current_object().extensions.get(KEPT)
     if kept is None:
         kept = current_app.extensions.setdefault(
             KEPT, Answers(settings(current_app).ANSWER_CACHE_BYTES)
@@ -67,4 +68,4 @@ def answers() -> Answers:
 
 def json_response(body: bytes) -> Response:
     # The type as it is sent: no mimetype to look a charset up for.
-    return current_app.response_class(body, content_type="application/json")
+    return APP._get_current_object().response_class(body, content_type="application/json")

@@ -9,6 +9,7 @@ from flask import current_app, request
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
 from animal_store import errors
+from animal_store.current import REQUEST
 from animal_store.extensions import settings
 
 # What reading a body can answer, besides the validation of its fields.
@@ -49,7 +50,7 @@ def refuse_unsupported_framing() -> None:
     coding and expectation by, and for the `gzip, chunked` gunicorn lets by with the body still
     compressed.
     """
-    environ = request.environ
+    environ = REQUEST._get_current_object().environ
     coding = environ.get("HTTP_TRANSFER_ENCODING")
     if coding is not None:
         if environ["SERVER_PROTOCOL"] == "HTTP/1.0":

@@ -30,8 +30,9 @@ import math
 import time
 from collections.abc import Callable
 
-from flask import Flask, g, request
+from flask import Flask, g
 
+from animal_store.current import REQUEST
 from animal_store.errors import OVERLOADED
 from animal_store.extensions import settings
 
@@ -60,7 +61,7 @@ def init_shedding(app: Flask) -> tuple[Callable[[], None], ...]:
 
     def shed_stale_request() -> None:
         # From the WSGI environ: the headers' view would cost every request its construction.
-        stamp = request.environ.get("HTTP_X_REQUEST_START")
+        stamp = REQUEST._get_current_object().environ.get("HTTP_X_REQUEST_START")
         if stamp is None:
             return
         since = queued_since(stamp)

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote_plus
 
 import orjson
-from flask import Flask, Response, g
+from flask import Flask, Response
 from flask.logging import default_handler
 
 from animal_store.current import REQUEST, G
@@ -139,7 +139,7 @@ def configure_logging(app: Flask) -> None:
 
 
 def start_timer() -> None:
-    g.request_started = time.perf_counter()
+    G._get_current_object().request_started = time.perf_counter()
 
 
 def request_log(declared: Mapping[str, frozenset[str]]) -> Callable[[Response], None]:
