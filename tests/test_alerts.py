@@ -176,6 +176,7 @@ def exported_metrics(tmp_path_factory) -> dict[str, frozenset[str]]:
     assert "animal_store_processes" in labels
     assert labels["animal_store_refusals_total"] == {"reason"}
     assert labels["animal_store_listen_queue_connections"] == {"listener"}
+    assert labels["animal_store_database_reads_unproven_total"] == {"reason"}
     return {name: frozenset(names) for name, names in labels.items()}
 
 

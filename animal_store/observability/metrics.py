@@ -328,10 +328,11 @@ def init_metrics(app: Flask) -> RequestMetrics:
     if settings(app).DATABASE_READ_URL is not None:
         DATABASE_READS.labels("standby")
         DATABASE_READS.labels("without_primary")
-        for reason in without_primary.REASONS:
-            READS_UNPROVEN.labels(reason)
+    # (At 0 without standbys too, as the alerts and the dashboard read them by reason.)
     for why in standbys.REASONS:
         READS_SENT_TO_PRIMARY.labels(why)
+    for reason in without_primary.REASONS:
+        READS_UNPROVEN.labels(reason)
     metrics = app.extensions[EXTENSION] = RequestMetrics(app)
     return metrics
 
