@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as WaitTimedOut
@@ -52,8 +53,10 @@ if TYPE_CHECKING:
 RETRY_INTERVAL = 1.0
 # The share of a request's deadline the primary has where standbys may answer without it.
 PRIMARY_SHARE = 0.3
-# Threads opening connections for requests short of time; an abandoned attempt holds one for
-# at most DATABASE_CONNECT_TIMEOUT.
+# Threads opening connections for requests short of time, for each engine: an abandoned attempt
+# holds one for at most DATABASE_CONNECT_TIMEOUT a host, and one engine's attempts at a host that
+# hangs (a lost machine in DATABASE_READ_URL's list) must not hold up another's (DATABASE_URL's,
+# to the primary promoted meanwhile: creations waited 23 s so in one run).
 CONNECTING_THREADS = 4
 
 LOG = logging.getLogger("animal_store.data.deadlines")
@@ -95,7 +98,10 @@ class Watchdog:
         # When the thread wakes next; None: it sleeps until a connection is held.
         self.alarm: float | None = None
         self.thread: threading.Thread | None = None
-        self.connecting: ThreadPoolExecutor | None = None
+        # Each engine's, gone with it (its idle threads end when the executor is collected).
+        self.connecting: weakref.WeakKeyDictionary[Engine, ThreadPoolExecutor] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def hold(
         self,
@@ -137,13 +143,20 @@ class Watchdog:
                 self.wake.wait(None if self.alarm is None else self.alarm - now)
 
     def connect_within(
-        self, connect: Callable[[], DBAPIConnection], seconds: float, backoff: Backoff | None
+        self,
+        engine: Engine,
+        connect: Callable[[], DBAPIConnection],
+        seconds: float,
+        backoff: Backoff | None,
     ) -> DBAPIConnection:
         """Return connect()'s connection, or raise DeadlinePassed after `seconds`."""
         with self.lock:
-            if self.connecting is None:
-                self.connecting = ThreadPoolExecutor(CONNECTING_THREADS, "database-connect")
-        attempt = self.connecting.submit(connect)
+            connecting = self.connecting.get(engine)
+            if connecting is None:
+                connecting = self.connecting[engine] = ThreadPoolExecutor(
+                    CONNECTING_THREADS, "database-connect"
+                )
+        attempt = connecting.submit(connect)
         try:
             return attempt.result(timeout=seconds)
         except WaitTimedOut:
@@ -280,7 +293,7 @@ def watch_engine(engine: Engine, deadline: str = "database_deadline") -> Backoff
         # that hangs first, the primary after it).
         left = held[0] - time.monotonic()
         connection = WATCHDOG.connect_within(
-            lambda: dialect.connect(*cargs, **cparams), left, held[1]
+            engine, lambda: dialect.connect(*cargs, **cparams), left, held[1]
         )
         # Watched from now on: a new engine's first connection runs SQLAlchemy's first queries
         # (the server's version...) before the checkout event.
