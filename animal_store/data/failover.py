@@ -62,6 +62,7 @@ class Server:
         self.memos = memos
         # With standbys (DATABASE_READ_URL), which may answer reads without the primary: the
         # primary's share of a request's deadline, else all of it.
+        self.standbys = standbys
         self.bounded = primary_share if standbys else contextlib.nullcontext
         self.started: datetime | None = None
         # The primary's timeline when last asked (None before): kept while it does not answer.
@@ -178,7 +179,7 @@ def confirm_database() -> None:
         # The database does not answer: what it will hold when it does is unknown. The server
         # last seen stays known, so the one that answers next is told apart from it.
         forget(current_app, server)
-        if server.bounded is primary_share:
+        if server.standbys:
             primary_fails()
         return
     primary_answers()
