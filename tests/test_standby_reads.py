@@ -375,7 +375,12 @@ def test_a_walks_last_page_holds_every_creation_acknowledged_before_it_began(
     # what the app last knew settled, and then stops replaying (a standby falling behind).
     app = make_app(cluster["fresh"])
     client, writer, walker = app.test_client(), make_auth("writer"), make_auth("walker")
-    walk([client], writer, limit=100)
+    if len(walk([client], writer, limit=100)) % 100 == 0:
+        # The module's earlier tests left a multiple of the page: the last full page would lack
+        # the creation on the standby and be sent back too, and the page after it. One more makes
+        # the creation land on a page that was the last.
+        create(client, writer)
+        walk([client], writer, limit=100)
     cluster["fresh"].wait_for_replay()
     cluster["fresh"].sql("SELECT pg_wal_replay_pause()")
     try:
