@@ -17,6 +17,7 @@ import click
 import pytest
 from alembic.script import ScriptDirectory
 from conftest import (
+    IN_SQLITE_PASS,
     PROJECT_DIR,
     TEST_DATABASE_URL,
     break_release,
@@ -197,6 +198,7 @@ OTHER_PROGRAMS = {
 }
 
 
+@IN_SQLITE_PASS  # quickstart's own (conftest.py)
 @pytest.mark.parametrize(("hold", "answer"), OTHER_PROGRAMS.values(), ids=OTHER_PROGRAMS.keys())
 def test_quickstart_on_a_port_another_program_holds_refuses_and_revokes_the_key(
     request, runner, start_program, hold, answer
@@ -255,6 +257,7 @@ def test_quickstart_on_an_address_not_this_machines_refuses_before_making_a_key(
     assert runner.invoke(args=["keys", "list"]).stdout.splitlines()[1:] == []
 
 
+@IN_SQLITE_PASS  # quickstart's own (conftest.py)
 def test_quickstart_says_its_database_once(tmp_path, start_program):
     # It migrates in process, and the migration says which database too.
     port = start_program([sys.executable, "-m", "http.server", "--bind", "127.0.0.1"])
@@ -299,6 +302,7 @@ OPERATOR_SETTINGS = {
 }
 
 
+@IN_SQLITE_PASS  # on a SQLite file of its own in either pass (conftest.py)
 @pytest.mark.parametrize("case", OPERATOR_SETTINGS.values(), ids=OPERATOR_SETTINGS.keys())
 def test_commands_say_which_database_and_where_it_came_from(tmp_path, case):
     settings, source = case
@@ -319,6 +323,7 @@ def test_commands_say_which_database_and_where_it_came_from(tmp_path, case):
     assert result.stdout.split()[:2] == ["NAME", "PREFIX"]
 
 
+@IN_SQLITE_PASS  # on a SQLite file of its own in either pass (conftest.py)
 def test_db_upgrade_says_which_database_it_changes(tmp_path):
     path = tmp_path / "store.sqlite3"
     result = subprocess.run(
@@ -441,6 +446,7 @@ def test_a_database_that_does_not_answer_is_one_line():
     assert "s3cret" not in result.output
 
 
+@IN_SQLITE_PASS  # on a SQLite file of its own in either pass (conftest.py)
 def test_a_command_without_the_deployment_environment_says_so_and_creates_nothing(tmp_path):
     environment = without_deployment(tmp_path / "animal_store.sqlite3")
     result = subprocess.run(
@@ -461,6 +467,7 @@ def test_a_command_without_the_deployment_environment_says_so_and_creates_nothin
     assert list(tmp_path.iterdir()) == []
 
 
+@IN_SQLITE_PASS  # on a SQLite file of its own in either pass (conftest.py)
 def test_version_prints_the_services_release_and_touches_no_database(tmp_path):
     # The real `flask` of the virtualenv, as an operator types it; with no deployment
     # environment, so a database it opened would be the development file named here.

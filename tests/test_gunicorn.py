@@ -134,6 +134,7 @@ def test_app_imports_without_gunicorn(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
     # gunicorn's default would put it in the service user's home: the checkout, in docs/deploy.rst.
     home = tmp_path / "home"
@@ -178,6 +179,7 @@ def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
             assert quick < slow.result()
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_the_metrics_directory_it_made_is_removed_when_it_stops(start_gunicorn, tmp_path, auth):
     temporary = tmp_path / "tmp"
     temporary.mkdir()
@@ -191,6 +193,7 @@ def test_the_metrics_directory_it_made_is_removed_when_it_stops(start_gunicorn, 
     assert list(temporary.iterdir()) == []
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_metrics_directory_it_was_given_is_kept(start_gunicorn, tmp_path):
     given = tmp_path / "metrics"
     given.mkdir()
@@ -268,6 +271,7 @@ def test_an_unimportable_release_stops_the_boot_with_its_import_error_once(tmp_p
     assert errors[0]["exception"].splitlines()[-1] == said
 
 
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_reload_onto_an_unimportable_release_says_its_import_error_once_a_worker(
     start_gunicorn, tmp_path
 ):

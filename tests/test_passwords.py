@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import pytest
 import requests
-from conftest import PROJECT_DIR, Gunicorn, start_own_cluster
+from conftest import IN_SQLITE_PASS, PROJECT_DIR, Gunicorn, start_own_cluster
 from sqlalchemy.engine import make_url
 from test_gunicorn import GUNICORN, refused_boot
 
@@ -195,6 +195,7 @@ def test_a_password_in_another_bad_setting_is_masked_too():
     assert_masked(refused.value.format_message())
 
 
+@IN_SQLITE_PASS  # a URL refused before any database is reached (conftest.py)
 @pytest.mark.parametrize(("url", "why"), MALFORMED.values(), ids=MALFORMED.keys())
 def test_the_flask_command_refuses_a_malformed_database_url_in_one_masked_line(url, why):
     result = flask("keys", "list", DATABASE_URL=url)
@@ -206,6 +207,7 @@ def test_the_flask_command_refuses_a_malformed_database_url_in_one_masked_line(u
     assert_masked(line)
 
 
+@IN_SQLITE_PASS  # a URL refused before any database is reached (conftest.py)
 @pytest.mark.parametrize(
     "case", ["an @ and a / in the password", "a port that is no number"], ids=str
 )
