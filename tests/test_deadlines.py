@@ -8,6 +8,7 @@ Each test has a database of its own on a cluster of its own (tests/postgres_clus
 the machine's PostgreSQL: so they run once, in the pass without TEST_DATABASE_URL.
 """
 
+import contextlib
 import re
 import threading
 import time
@@ -218,6 +219,29 @@ def test_frozen_database_answers_503_within_the_deadline_and_recovers(
     assert_answered_within_the_deadline(answers, frozen_at, thawed_at)
     assert "WORKER TIMEOUT" not in gunicorn.log()
     assert_no_acknowledged_write_lost(database_url, answers)
+
+
+def test_a_ping_cut_at_the_deadline_replaces_every_connection_the_pool_held(
+    make_app, auth, cluster
+):
+    # Three pooled connections when the server hangs: the request that meets the first is cut at
+    # its deadline, and the pool forgets the other two rather than making later requests find
+    # each one hung (after a failover, they reach the lost primary; a new one, the promoted).
+    app = make_app(DATABASE_DEADLINE=DEADLINE)
+    held = backend_pids(app, 3)
+    cluster.freeze()
+    try:
+        assert app.test_client().get("/v1/pets", headers=auth).status_code == 503
+    finally:
+        cluster.thaw()
+    assert backend_pids(app, 3).isdisjoint(held)
+
+
+def backend_pids(app, count):
+    """The server processes of `count` connections of the app's pool, checked out at once."""
+    with app.app_context(), contextlib.ExitStack() as stack:
+        connections = [stack.enter_context(db.engine.connect()) for _ in range(count)]
+        return {c.execute(sa.text("SELECT pg_backend_pid()")).scalar() for c in connections}
 
 
 def test_threaded_development_server_answers_within_the_deadline(make_app, auth, cluster):

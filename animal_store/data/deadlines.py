@@ -318,8 +318,10 @@ def watch_engine(engine: Engine, deadline: str = "database_deadline") -> Backoff
             dialect.do_ping(connection)
         except dialect.loaded_dbapi.Error as error:
             # A connection the server dropped (restart, failover) or the watchdog cut: the pool
-            # replaces it, within what is left of the deadline (do_connect above).
-            raise sa_exc.DisconnectionError() from error
+            # replaces it, within what is left of the deadline (do_connect above), and every
+            # connection it held from before, as SQLAlchemy's own pre-ping does: those reach the
+            # same lost or hung server, and each would cost a request its deadline to find out.
+            raise sa_exc.InvalidatePoolError() from error
         backoff.clear()
 
     @event.listens_for(engine, "checkin")
