@@ -53,13 +53,15 @@ def create_app(
     tune_sqlite_connections(app)
     init_database_faults(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
-    start_deadline = init_deadlines(app)
-    init_standbys(app)
     # A key, an answer or a settled id a worker kept is used only from the database server it
-    # came from (a new memo of data goes here).
+    # came from (a new memo of data goes here). Before the deadlines: its order of DATABASE_URL's
+    # hosts must be set before their listener connects, and SQLAlchemy runs a dialect's
+    # do_connect listeners in the order they were added (it ignores insert=True for them).
     confirm_database = init_failover(
         app, memos=(answers.KEPT, auth.KEY_CACHE, keyset.ANSWERS, keyset.POSITIONS)
     )
+    start_deadline = init_deadlines(app)
+    init_standbys(app)
     policies = register_api(app, resources, before=confirm_database)
     app.register_blueprint(health.bp)
     register_commands(app)

@@ -7,9 +7,12 @@ killed and promoted by PID, never the machine's PostgreSQL. So these run in the 
 TEST_DATABASE_URL.
 """
 
+import contextlib
 import json
 import os
 import signal
+import socket
+import threading
 import time
 from collections import Counter
 from urllib.parse import quote
@@ -18,6 +21,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 from conftest import migrate_to_head, start_own_cluster
+from flask import g
 from pgbouncer_server import PGBOUNCER, PgBouncer
 from sqlalchemy.engine import make_url
 from test_passwords import PASSWORD, USER, assert_masked, assert_no_password
@@ -28,7 +32,7 @@ from animal_store.access import auth as auth_module
 from animal_store.access.auth import issue_key
 from animal_store.data import answers
 from animal_store.data.database import describe_database
-from animal_store.data.failover import CONFIRM_EVERY
+from animal_store.data.failover import CONFIRM_EVERY, primary_fails
 from animal_store.extensions import db
 from animal_store.settings import SettingsError
 
@@ -85,6 +89,62 @@ def test_several_hosts_keep_the_rest_of_the_url():
     assert parameters["password"] == secret
     assert (parameters["host"], parameters["dbname"]) == ("127.0.0.1,127.0.0.2", "store")
     assert (parameters["sslmode"], parameters["application_name"]) == ("disable", "x")
+
+
+def test_a_new_connection_tries_the_primary_first_and_the_host_a_connection_failed_on_last():
+    # DATABASE_URL lists another host first and the primary second. The other accepts each
+    # connection and closes it at once (libpq then goes on to the next host), counting them: it
+    # was tried first when it counts one more.
+    cluster = start_own_cluster()
+    other = socket.create_server(("127.0.0.1", 0))
+    tried = []
+
+    def accept():
+        with contextlib.suppress(OSError):  # closed at the end
+            while True:
+                connection, _ = other.accept()
+                tried.append(1)
+                connection.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        url = make_url(cluster.database_url("postgres")).set(
+            host=None,
+            port=None,
+            query={"host": [f"127.0.0.1:{other.getsockname()[1]}", cluster.host_port]},
+        )
+        app = create_app({"DATABASE_URL": url.render_as_string(hide_password=False)})
+
+        def first_tried():
+            # A new connection in a request, with its deadline, as the app connects.
+            with app.app_context():
+                db.engine.dispose()
+                before = len(tried)
+                with app.test_request_context():
+                    g.database_deadline = time.monotonic() + 5
+                    with db.engine.connect() as connection:
+                        connection.execute(sa.text("SELECT 1"))
+                return "other" if len(tried) > before else "primary"
+
+        # Nothing known yet: the list's order. The primary reached, it goes first, and stays
+        # first after a read of the primary failed without a connection failing (an attempt that
+        # ran out of time says nothing of which host hung).
+        assert first_tried() == "other"
+        assert first_tried() == "primary"
+        with app.app_context():
+            primary_fails()
+        assert first_tried() == "primary"
+        # A connection to it failed once made (cut, dropped): it goes last, until a new
+        # connection reaches a primary there again.
+        with app.app_context(), db.engine.connect() as connection:
+            connection.invalidate(RuntimeError("cut at its deadline"))
+        assert first_tried() == "other"
+        assert first_tried() == "primary"
+        with app.app_context():
+            db.engine.dispose()
+    finally:
+        other.close()
+        cluster.stop()
 
 
 def test_a_worker_keeps_what_it_read_while_its_server_stays_and_forgets_it_on_a_restart(make_app):

@@ -52,6 +52,8 @@ SERVER_QUERY = (
 )
 SERVER = text(SERVER_QUERY)
 STATE = "animal_store_failover"
+# Where a connection's pool entry keeps the host and port it reached (emptied when it reconnects).
+HOST = "animal_store_host"
 
 
 class Server:
@@ -70,6 +72,10 @@ class Server:
         # The host and port the worker last reached the primary on, as libpq names them (one of
         # DATABASE_URL's hosts): kept while it does not answer (without_primary.py).
         self.host: str | None = None
+        # The host a connection of the primary's last failed on once made (cut at a deadline,
+        # dropped, or refusing writes), until a new connection reaches a primary there: a new
+        # connection tries it last (primary_first).
+        self.blamed: str | None = None
         # Whether the primary, when last asked, committed only once a standby had the commit
         # (synchronous_standby_names set): kept while it does not answer.
         self.synchronous = False
@@ -102,7 +108,7 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
     server = app.extensions[STATE] = Server(memos, settings(app).DATABASE_READ_URL is not None)
 
     @event.listens_for(engine, "connect")
-    def ask_a_new_connection(connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+    def ask_a_new_connection(connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
         # A new connection may reach another server (libpq's host list, after a failover): it is
         # known before the connection's first use, not up to CONFIRM_EVERY later. Behind
         # PgBouncer, whose connections outlive the servers behind it, confirm_database tells.
@@ -116,15 +122,30 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
         if said is not None:  # always: one row
             learn(app, server, *said)
             info = getattr(connection, "info", None)  # psycopg's: which of several hosts it is
+            host = None if info is None else f"{info.host}:{info.port}"
+            record.info[HOST] = host
             if said[1]:  # (a timeline: a primary's connection)
                 server.failed_at = None  # it answers (without_primary.py)
-                if info is not None:
-                    server.host = f"{info.host}:{info.port}"
+                server.host = host
+                if server.blamed == host:
+                    server.blamed = None
+
+    @event.listens_for(engine, "invalidate")
+    def blame_its_host(
+        _connection: DBAPIConnection, record: ConnectionPoolEntry, error: BaseException | None
+    ) -> None:
+        # A connection that failed once made (the watchdog cut it, the server dropped it or took
+        # no write) says which host failed. A connection that could not be made within a deadline
+        # says nothing of which: blaming the host last reached then put a promoted primary last,
+        # behind a hung host no attempt got past within a read's share of the deadline, for as
+        # long as the hung host stayed in the list (the stall of issue 56).
+        if error is not None and record.info.get(HOST) is not None:
+            server.blamed = record.info[HOST]
 
     hosts = listed_hosts(engine)
     if len(hosts) > 1:
 
-        @event.listens_for(engine, "do_connect", insert=True)
+        @event.listens_for(engine, "do_connect")
         def primary_first(
             _dialect: Dialect,
             _record: ConnectionPoolEntry,
@@ -133,8 +154,8 @@ def init_failover(app: Flask, memos: tuple[str, ...]) -> tuple[Callable[[], None
         ) -> None:
             # libpq tries DATABASE_URL's hosts in order, each for up to connect_timeout, and one
             # that hangs (its machine lost, or frozen) takes all of it: the host the worker last
-            # reached the primary on goes first while it answers, last once it failed, so that a
-            # new connection reaches a promoted standby within the request's deadline.
+            # reached the primary on goes first, the one a connection last failed on last, so
+            # that a new connection reaches a promoted standby within the request's deadline.
             order = sorted(hosts, key=lambda host: rank(host, server))
             cparams["host"] = ",".join(name for name, _ in order)
             cparams["port"] = ",".join(port for _, port in order)
@@ -153,11 +174,12 @@ def listed_hosts(engine: Engine) -> list[tuple[str, str]]:
 
 
 def rank(host: tuple[str, str], server: Server) -> int:
-    """0 for the host the primary was last reached on while it answers, 2 once it failed, 1 for
-    the others (which keep their order: the sort is stable)."""
-    if server.host != f"{host[0]}:{host[1]}":
-        return 1
-    return 2 if server.failed_at is not None else 0
+    """2 for the host a connection last failed on, 0 for the one the primary was last reached on,
+    1 for the others (which keep their order: the sort is stable)."""
+    name = f"{host[0]}:{host[1]}"
+    if name == server.blamed:
+        return 2
+    return 0 if name == server.host else 1
 
 
 def confirm_database() -> None:
