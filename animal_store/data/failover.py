@@ -63,9 +63,8 @@ class Server:
     def __init__(self, memos: tuple[str, ...], standbys: bool) -> None:
         self.memos = memos
         # With standbys (DATABASE_READ_URL), which may answer reads without the primary: the
-        # primary's share of a request's deadline, else all of it.
+        # primary then has its share of a request's deadline (confirm_database), else all of it.
         self.standbys = standbys
-        self.bounded = primary_share if standbys else contextlib.nullcontext
         self.started: datetime | None = None
         # The primary's timeline when last asked (None before): kept while it does not answer.
         self.timeline: int | None = None
@@ -195,7 +194,8 @@ def confirm_database() -> None:
         # transaction, which behind PgBouncer would hold a server connection for the request.
         # Where standbys may serve without the primary, a hung one holds the request no longer
         # than its share.
-        with server.bounded(), db.engine.connect() as connection:
+        bounded = primary_share() if server.standbys else contextlib.nullcontext()
+        with bounded, db.engine.connect() as connection:
             started, timeline, synchronous = connection.execute(SERVER).one()
     except SQLAlchemyError:
         # The database does not answer: what it will hold when it does is unknown. The server
