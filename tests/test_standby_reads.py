@@ -665,6 +665,60 @@ def test_after_a_failover_a_standby_on_the_old_timeline_serves_no_read(make_app)
         primary.stop()
 
 
+def test_a_standby_left_behind_that_received_more_than_the_promoted_one_serves_no_read(make_app):
+    # After a promotion, the standby that stays serves reads until it follows the new primary,
+    # if it holds no WAL the new timeline lacks (standbys.left_behind): what it received is no
+    # more than the promoted one had, as the instance saw both while no primary answered. Here it
+    # received a creation the promoted one never had (a failover to the wrong standby): once the
+    # instance works on the new primary, no read is served by it, by id or in a page.
+    primary = start_own_cluster(replication="sync")
+    try:
+        url = primary.create_database("store")
+        migrate_to_head(url)
+        promoted, left = primary.standby(), primary.standby()
+        hosts = f"{promoted.host_port},{primary.host_port}"
+        app = make_app(
+            promoted,
+            left,
+            DATABASE_URL=f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
+        )
+        client = app.test_client()
+        with app.app_context():
+            _, key = issue_key("left behind")
+            db.session.commit()
+        auth = {"Authorization": f"Bearer {key}"}
+        kept = create(client, auth, "kept")
+        promoted.wait_for_replay()
+        # Cut off: the other standby is the synchronous one from then on (FIRST 1).
+        promoted.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
+        while promoted.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
+            time.sleep(0.05)
+        lost = create(client, auth, "lost")
+        primary.kill()
+        # Without the primary the instance asks both standbys what they received, and shows the
+        # creation from the one that has it (without_primary.py).
+        assert retried(lambda: client.get(f"/v1/pets/{lost}", headers=auth)).status_code == 200
+        promoted.promote()
+        body = {"name": "after", "categoryId": 1}
+        after = retried(lambda: client.post("/v1/pets", json=body, headers=auth))
+        assert after.status_code == 201, after.get_json()
+        on_standby = reads("standby")
+        # Each read goes to a standby host at random: the promoted one sends it back, the other
+        # must too.
+        for _ in range(10):
+            assert client.get(f"/v1/pets/{lost}", headers=auth).status_code == 404
+            assert client.get(f"/v1/pets/{kept}", headers=auth).status_code == 200
+        shown = {pet["id"]: pet["name"] for pet in pages(client, auth)}
+        assert shown.get(lost) != "lost"
+        assert shown.get(after.get_json()["id"]) == "after"
+        assert reads("standby") == on_standby
+    finally:
+        for standby in primary.standbys:
+            standby.stop()
+        primary.kill()
+        primary.stop()
+
+
 def retried(send, within=60):
     """The first answer to `send()` that is not a 503, sent again after each 503 (a JSON one,
     with Retry-After) as a client does."""

@@ -57,6 +57,7 @@ CREATING_AGAIN_WITHIN = 8
 # The longest time without a read answered, from the promotion until the readers stop. Seen:
 # 0.03 s, killed or hung.
 PAUSE_AFTER_PROMOTION = 2
+STANDBY_READS = 'animal_store_database_reads_total{server="standby"}'
 # The reads of acknowledged animals and pages, which must be answered.
 SERVED = ("by id", "by id, a new key", "page", "last page")
 
@@ -334,6 +335,12 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
         # Ready for reads, not for creations: neither "ok" nor taken out.
         ready = requests.get(f"{base}/readyz", timeout=10)
         served_without = metric(base, 'animal_store_database_reads_total{server="without_primary"}')
+        # The standby that stays: it never follows the promoted one here (Patroni would, within
+        # seconds). It may serve reads meanwhile only if it received no WAL the promoted one
+        # lacks; whether it did is the kill's chance (an asynchronous standby may be ahead).
+        (left,) = (each for each in shape["standbys"] if each is not synchronous)
+        left_behind = received(left) <= received(synchronous)
+        on_standbys = metric(base, STANDBY_READS)
         # The synchronous standby promoted: creations resume; the reads go on.
         synchronous.promote()
         promoted = time.monotonic()
@@ -344,6 +351,7 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
         first_creation = time.monotonic() - promoted
         print(f"first creation {first_creation:.1f} s after the promotion; before it {answers}")
         time.sleep(2)
+        on_standbys = metric(base, STANDBY_READS) - on_standbys
 
     share, total = loss
     # Until the readers stopped: a stall that lasts to the end is a pause too.
@@ -378,6 +386,10 @@ def test_reads_go_on_through_the_loss_of_the_primary(shape, fault):
     assert after["served"] >= 0.99, (after, reads.statuses)
     assert after["longest pause"] < PAUSE_AFTER_PROMOTION, after
     assert first_creation < CREATING_AGAIN_WITHIN, after
+    # The standby left behind serves reads while it does not follow (standbys.left_behind);
+    # one that received more than the promoted standby serves none.
+    print(f"the standby that stays, left behind {left_behind}: {on_standbys:.0f} reads after")
+    assert (on_standbys > 0) == left_behind, (on_standbys, left_behind)
 
 
 def synchronous_standby(shape):
@@ -393,6 +405,11 @@ def synchronous_standby(shape):
     )
     (synchronous,) = (each for each in shape["standbys"] if states.get(each.name) == "sync")
     return synchronous
+
+
+def received(standby):
+    """The WAL position a standby has received, in bytes."""
+    return int(standby.sql("SELECT pg_last_wal_receive_lsn() - '0/0'").strip())
 
 
 def metric(base, series):

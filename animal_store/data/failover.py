@@ -68,6 +68,9 @@ class Server:
         self.started: datetime | None = None
         # The primary's timeline when last asked (None before): kept while it does not answer.
         self.timeline: int | None = None
+        # When this worker first saw the primary on that timeline (standbys.py: a standby left
+        # on the timeline before serves reads for DATABASE_READ_MAX_LAG from then).
+        self.timeline_seen_at = 0.0
         # The host and port the worker last reached the primary on, as libpq names them (one of
         # DATABASE_URL's hosts): kept while it does not answer (without_primary.py).
         self.host: str | None = None
@@ -211,6 +214,8 @@ def confirm_database() -> None:
 def learn(app: Flask, server: Server, started: datetime, timeline: int, synchronous: bool) -> None:
     """Take what the database said of itself: forget what the worker kept if it is another
     server than the one it was kept from."""
+    if timeline and timeline != server.timeline:
+        server.timeline_seen_at = time.monotonic()
     server.timeline = timeline
     if timeline:
         server.synchronous = synchronous
@@ -234,6 +239,12 @@ def primary_timeline() -> int | None:
     """The timeline of the primary as this worker last asked it, None before (or on SQLite)."""
     server: Server | None = current_app.extensions.get(STATE)
     return None if server is None else server.timeline
+
+
+def primary_timeline_age() -> float:
+    """Seconds since this worker first saw the primary on the timeline it last saw it on."""
+    server: Server = current_app.extensions[STATE]
+    return time.monotonic() - server.timeline_seen_at
 
 
 def primary_host() -> str | None:

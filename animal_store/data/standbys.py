@@ -28,6 +28,10 @@ counted (metrics.py):
   Backoff skips for a second too: deadlines.py);
 - "not_found": the animal is not on the standby (yet).
 
+A standby that does not stream the primary's timeline serves nothing ("lag", "timeline"), but for
+one: after a failover, the standby left on the timeline before, until it follows the promoted one
+(seconds, under Patroni), where it holds no WAL the promoted one lacked (left_behind).
+
 A connection stays on one server for its life, whatever a host list or HAProxy balances, so the
 checked server is the one read, and what a connection last saw replayed (REPLAYED) spares the
 check while it holds the position and was checked within CHECK_EVERY: a lag or a promotion is
@@ -46,7 +50,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data.database_faults import first_line
 from animal_store.data.deadlines import time_left, watch_engine
-from animal_store.data.failover import primary_timeline
+from animal_store.data.failover import primary_host, primary_timeline, primary_timeline_age
 from animal_store.data.keyset import Position
 from animal_store.data.without_primary import StandbyHosts, Unproven
 from animal_store.extensions import settings
@@ -64,15 +68,17 @@ CHECK_EVERY = 1.0
 # its last check passed: its pool entry's info, which SQLAlchemy empties whenever the entry
 # connects again (perhaps to another server), so it lives exactly as long as the connection.
 REPLAYED, CHECKED_AT = "animal_store_replayed", "animal_store_checked_at"
-# What the standby says of itself: in recovery; its replay position; its lag; whether its WAL
-# receiver runs, streams, and on which timeline (pg_stat_wal_receiver has a row while the
-# receiver runs; its status and timeline are shown only to a role with pg_read_all_stats).
+# What the standby says of itself: in recovery; its replay and receive positions; its lag;
+# whether its WAL receiver runs, streams, and on which timeline (pg_stat_wal_receiver has a row
+# while the receiver runs; its status and timeline are shown only to a role with
+# pg_read_all_stats).
 # The lag: 0 for a standby that streams and has replayed all it received (an idle primary sends
 # nothing, and its last commit's time would read as lag), else the age of the last transaction it
 # replayed: one that does not stream (cut off from the primary, which may be writing on) has
 # replayed all it received too, and is as old as its last transaction.
 CHECK = sa.text(
     "SELECT pg_is_in_recovery(), (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint, "
+    "(pg_last_wal_receive_lsn() - '0/0'::pg_lsn)::bigint, "
     "CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() "
     "AND receiver.status = 'streaming' THEN 0 "
     "ELSE extract(epoch FROM now() - pg_last_xact_replay_timestamp())::float8 END, "
@@ -126,8 +132,12 @@ class Standbys:
         watch_engine(self.engine, "standby_deadline")
         self.paused_until = 0.0
         self.hidden_said = False
+        # The WAL each host was last seen to have on disk (received), by its host and port, on
+        # the timeline it streamed then: a standby left behind by a promotion serves by it
+        # (left_behind). Written by the checks and by the reads without the primary.
+        self.received: dict[str, Position] = {}
         # Each standby on its own, for the reads the primary cannot answer.
-        self.without_primary = StandbyHosts(app, url)
+        self.without_primary = StandbyHosts(app, url, self.received)
 
     def read(
         self, at_least: Position | None, behind: str, read: Callable[[sa.Connection], Rows]
@@ -187,7 +197,9 @@ class Standbys:
         ):
             return
         info.pop(CHECKED_AT, None)
-        recovering, replayed, lag, receiving, streaming, timeline = connection.execute(CHECK).one()
+        recovering, replayed, received, lag, receiving, streaming, timeline = connection.execute(
+            CHECK
+        ).one()
         if not recovering:
             connection.invalidate()
             raise SentBack("promoted")
@@ -195,7 +207,14 @@ class Standbys:
             self.say_hidden(connection)
             raise SentBack("lag")
         LAG.set(-1 if lag is None else lag)
-        if not streaming or lag is None or lag > self.max_lag:
+        host = host_of(connection)
+        if streaming:
+            self.received[host] = Position(timeline, received)
+        if not (streaming and timeline == at_least.timeline) and self.left_behind(
+            host, received, at_least.timeline
+        ):
+            timeline = at_least.timeline  # what it has, the primary's timeline has too
+        elif not streaming or lag is None or lag > self.max_lag:
             raise SentBack("lag")
         # A server's replay only moves forward, on the timeline it streams.
         info[REPLAYED] = Position(timeline, replayed)
@@ -207,6 +226,29 @@ class Standbys:
         if replayed < at_least.lsn:
             raise SentBack(behind)
 
+    def left_behind(self, host: str, received: int | None, timeline: int) -> bool:
+        """Whether a standby that does not stream the primary's `timeline` has only WAL that the
+        timeline has too, within DATABASE_READ_MAX_LAG of when this worker first saw the primary
+        on it: the standby that stays, in the seconds a failover takes it to follow the promoted
+        one (issue 56).
+
+        A standby that is promoted replays all it received before its timeline begins, so the
+        new timeline holds every position of the one before up to what the promoted host was
+        last seen to have received on it. A standby seen streaming that timeline before, which
+        has received no further, holds the new primary's WAL up to where it replayed: its
+        animals are the primary's, and a page's position on the new timeline is held if it has
+        replayed that far. One that received further (WAL the promoted one never had) is not.
+        """
+        if received is None or primary_timeline_age() > self.max_lag:
+            return False
+        promoted, its_own = self.received.get(primary_host() or ""), self.received.get(host)
+        return (
+            promoted is not None
+            and its_own is not None
+            and promoted.timeline == its_own.timeline == timeline - 1
+            and received <= promoted.lsn
+        )
+
     def say_hidden(self, connection: sa.Connection) -> None:
         if not self.hidden_said:
             self.hidden_said = True
@@ -215,6 +257,12 @@ class Standbys:
     def close(self) -> None:
         self.engine.dispose()
         self.without_primary.close()
+
+
+def host_of(connection: sa.Connection) -> str:
+    """The host and port a connection reached, as libpq names it (failover.py's names)."""
+    info = connection.connection.dbapi_connection.info  # type: ignore[union-attr]
+    return f"{info.host}:{info.port}"
 
 
 def sent_back(reason: str) -> None:

@@ -40,7 +40,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from animal_store.data.deadlines import time_left, watch_engine
-from animal_store.data.failover import primary_host, primary_synchronous
+from animal_store.data.failover import primary_host, primary_synchronous, primary_timeline
+from animal_store.data.keyset import Position
 
 # What each standby says: whether it is one still, and the WAL positions it has received (written
 # to disk, from the primary: None if it has not streamed since it started) and replayed.
@@ -75,7 +76,9 @@ class Unproven(Exception):  # noqa: N818 - not an error: a decision
 class StandbyHosts:
     """One engine for each host of DATABASE_READ_URL, so that each is asked on its own."""
 
-    def __init__(self, app: Flask, url: str) -> None:
+    def __init__(self, app: Flask, url: str, received: dict[str, Position]) -> None:
+        # What each host was seen to have received (standbys.Standbys.received), updated here.
+        self.received = received
         parsed = make_url(url)
         listed = parsed.query.get("host")
         if listed is None:
@@ -117,8 +120,8 @@ class StandbyHosts:
     def every_acknowledged(self, connections: ExitStack) -> tuple[tuple[sa.Connection, int], int]:
         """Ask each standby, and return the one that received the most, with what it replayed,
         and that position (EVERY_ACKNOWLEDGED: the module's docstring)."""
-        primary = primary_host()
-        answers: list[tuple[int, int, sa.Connection]] = []
+        primary, timeline = primary_host(), primary_timeline()
+        answers: list[tuple[int, int, sa.Connection, str]] = []
         for host, engine in self.engines.items():
             if host == primary:
                 continue  # the primary's own (lost, hung or cut off), which is no standby
@@ -134,14 +137,29 @@ class StandbyHosts:
                 # It has not streamed since it started: what it has on disk, not yet replayed,
                 # is unknown.
                 raise Unproven("unknown")
-            answers.append((received, replayed, connection))
+            answers.append((received, replayed, connection, host))
         if not answers:
             raise Unproven("unanswered")
+        self.note(timeline, answers)
         if not primary_synchronous():
             # Asynchronous replication acknowledges commits no standby may have.
             raise Unproven("asynchronous")
-        received, replayed, connection = max(answers, key=lambda answer: answer[0])
+        received, replayed, connection, _ = max(answers, key=lambda answer: answer[0])
         return (connection, replayed), received
+
+    def note(
+        self, timeline: int | None, answers: list[tuple[int, int, sa.Connection, str]]
+    ) -> None:
+        """Keep what each standby has received (standbys.Standbys.left_behind), on the timeline of
+        the primary they followed: every host but the lost primary's answered in recovery, so
+        none is a new primary's standby yet, and the one promoted next begins its timeline past
+        what it has now. Not if the worker reached another primary meanwhile."""
+        if timeline is None or primary_timeline() != timeline:
+            return
+        for received, _, _, host in answers:
+            seen = self.received.get(host)
+            if seen is None or seen.timeline != timeline or received > seen.lsn:
+                self.received[host] = Position(timeline, received)
 
     def close(self) -> None:
         for engine in self.engines.values():
