@@ -208,7 +208,7 @@ class Standbys:
             raise SentBack("lag")
         LAG.set(-1 if lag is None else lag)
         host = host_of(connection)
-        if streaming:
+        if streaming and host is not None:
             self.received[host] = Position(timeline, received)
         if not (streaming and timeline == at_least.timeline) and self.left_behind(
             host, received, at_least.timeline
@@ -226,7 +226,7 @@ class Standbys:
         if replayed < at_least.lsn:
             raise SentBack(behind)
 
-    def left_behind(self, host: str, received: int | None, timeline: int) -> bool:
+    def left_behind(self, host: str | None, received: int | None, timeline: int) -> bool:
         """Whether a standby that does not stream the primary's `timeline` has only WAL that the
         timeline has too, within DATABASE_READ_MAX_LAG of when this worker first saw the primary
         on it: the standby that stays, in the seconds a failover takes it to follow the promoted
@@ -239,7 +239,7 @@ class Standbys:
         animals are the primary's, and a page's position on the new timeline is held if it has
         replayed that far. One that received further (WAL the promoted one never had) is not.
         """
-        if received is None or primary_timeline_age() > self.max_lag:
+        if host is None or received is None or primary_timeline_age() > self.max_lag:
             return False
         promoted, its_own = self.received.get(primary_host() or ""), self.received.get(host)
         return (
@@ -259,10 +259,10 @@ class Standbys:
         self.without_primary.close()
 
 
-def host_of(connection: sa.Connection) -> str:
+def host_of(connection: sa.Connection) -> str | None:
     """The host and port a connection reached, as libpq names it (failover.py's names)."""
-    info = connection.connection.dbapi_connection.info  # type: ignore[union-attr]
-    return f"{info.host}:{info.port}"
+    info = getattr(connection.connection.dbapi_connection, "info", None)  # psycopg's
+    return None if info is None else f"{info.host}:{info.port}"
 
 
 def sent_back(reason: str) -> None:
