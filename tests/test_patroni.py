@@ -20,6 +20,8 @@ figures, and the table of all at the end.
 
 import contextlib
 import itertools
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -465,6 +467,51 @@ def test_patroni_promotes_a_standby_when_the_leaders_machine_is_lost(deployment,
     # fault to the promotion, at least 0.99 of them answered.
     direct = reads.answered_during["direct"]
     assert direct[200] >= 0.99 * sum(direct.values()), reads.row()
+
+
+def test_patroni_the_synchronous_standbys_machine_lost_silently_stops_creations_about_ttl(
+    deployment,
+):
+    """The synchronous standby's machine lost as a machine or a partition is (every process
+    frozen: nothing answers, no connection is closed): each commit waits for it until the
+    leader's Patroni names the other standby, which it does only once the frozen one's member
+    key has expired in etcd, its WAL sender staying for wal_sender_timeout (60 s): about ttl and
+    a loop, where a killed one costs a loop (docs/deploy.rst, Strict or not). Then creations go
+    on, nothing acknowledged is lost, and the machine rejoins once it answers."""
+    cluster = deployment.cluster
+    cluster.set_strict(True)
+    leader = cluster.wait_for_leader(None)
+    (synchronous,) = [
+        cluster.machine(member["name"])
+        for member in cluster.members()
+        if member["role"] == "sync_standby"
+    ]
+    load = KeyedLoad(deployment.direct.url, deployment.key, "sync-standby-frozen")
+    frozen: list[int] = []
+    try:
+        with load:
+            load.wait_for_answers(50)
+            frozen = synchronous.processes()
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            lost = time.monotonic()
+            wait_for_a_creation(load, lost + 1, 60)
+            load.wait_for_answers(50, timeout=60)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    cluster.wait_for_members(3, timeout=120)
+    gap = longest_gap(load, lost)
+    kinds = kinds_of(load)
+    print(f"the synchronous standby frozen: {gap:.2f} s without a 201; answers {dict(kinds)}")
+    assert cluster.leader() is leader
+    assert set(kinds) <= {"ok", "503", "409 in use"}, load.failures[:5]
+    assert not {pet["id"] for pet in load.acknowledged} - set(stored(cluster))
+    ttl, loop = TEST_TIMINGS["ttl"], TEST_TIMINGS["loop_wait"]
+    # Its key's ttl (up to a loop_wait less: a refresh is skipped within loop_wait of the last),
+    # a loop, an etcd election if it held etcd's leader, and the client's retry.
+    assert ttl - loop < gap < ttl + 2 * loop + 5
 
 
 def test_patroni_files_are_run_as_shipped_but_for_addresses_ports_paths_and_timings():
