@@ -345,7 +345,9 @@ class Settings:
         seconds(above=0),
         "PostgreSQL: seconds behind its primary past which a standby serves no read (its "
         "replay's lag: the age of the last transaction it replayed, 0 while it streams and has "
-        "replayed all it received)",
+        "replayed all it received); and after a failover, how long the standby left behind may "
+        "serve reads before it follows the new primary, counted from when a worker first "
+        "reaches it",
     )
     GET_PET_DEPRECATION: Deprecation = setting(
         expecting(
