@@ -15,6 +15,7 @@ two instances: nothing of a read's routing is shared between processes), which s
 gunicorn's boots each. They run in the pass without TEST_DATABASE_URL (clusters of their own).
 """
 
+import contextlib
 import logging
 import re
 import secrets
@@ -602,67 +603,77 @@ def test_a_role_that_cannot_see_whether_a_standby_streams_reads_on_the_primary(
     assert reads("standby") == on_standby + 1
 
 
+@contextlib.contextmanager
+def two_standbys_one_to_promote(make_app, replication, read_from_both, **settings):
+    """A primary of the test's own and two standbys, the first to be promoted; an app with
+    DATABASE_URL on that one and the primary (a standby, libpq skips it for the primary until
+    then), reading from the other standby or from both; its test client and a key's header."""
+    primary = start_own_cluster(replication=replication)
+    try:
+        url = primary.create_database("store")
+        migrate_to_head(url)
+        promoted, other = primary.standby(), primary.standby()
+        hosts = f"{promoted.host_port},{primary.host_port}"
+        app = make_app(
+            *((promoted, other) if read_from_both else (other,)),
+            DATABASE_URL=f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
+            **settings,
+        )
+        with app.app_context():
+            _, key = issue_key("failover")
+            db.session.commit()
+        auth = {"Authorization": f"Bearer {key}"}
+        yield primary, promoted, other, app.test_client(), auth
+    finally:
+        for standby in primary.standbys:
+            standby.stop()
+        primary.kill()  # killed or frozen by the test: nothing to shut down cleanly
+        primary.stop()
+
+
+def cut_off(standby):
+    """No WAL reaches the standby after this (a frozen one would read what the kernel kept for it
+    once thawed)."""
+    standby.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
+    while standby.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
+        time.sleep(0.05)
+
+
 def test_after_a_failover_a_standby_on_the_old_timeline_serves_no_read(make_app):
     # The failover that loses WAL: the primary partitioned away (frozen) after a standby
     # replayed a creation the standby promoted in its place never received. The first standby
     # still streams from the old primary (until wal_receiver_timeout) and holds an animal that is
     # not in the store: it must serve no read once the instance works on the new primary, by id
     # or in a page, though positions on the two timelines have the same numbers.
-    primary = start_own_cluster(replication="async")
-    try:
-        url = primary.create_database("store")
-        migrate_to_head(url)
-        promoted, old = primary.standby(), primary.standby()
-        # The standby to be promoted first: a standby, libpq skips it for the primary until then.
-        hosts = f"{promoted.host_port},{primary.host_port}"
-        app = make_app(
-            old,
-            DATABASE_URL=f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
-            DATABASE_DEADLINE=2,
-        )
-        client = app.test_client()
-        with app.app_context():
-            _, key = issue_key("failover")
-            db.session.commit()
-        auth = {"Authorization": f"Bearer {key}"}
+    with two_standbys_one_to_promote(make_app, "async", False, DATABASE_DEADLINE=2) as shape:
+        primary, promoted, old, client, auth = shape
         kept = create(client, auth, "kept")
         promoted.wait_for_replay()
         old.wait_for_replay()
         on_standby = reads("standby")
         assert client.get(f"/v1/pets/{kept}", headers=auth).status_code == 200
         assert reads("standby") == on_standby + 1
-        # Cut off from the primary: no WAL after this reaches it (a frozen one would read what
-        # the kernel kept for it once thawed).
-        promoted.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
-        while promoted.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
-            time.sleep(0.05)
+        cut_off(promoted)
         lost = create(client, auth, "lost")
         old.wait_for_replay()
         primary.freeze()
-        try:
-            promoted.promote()
-            # The instance's connections to the old primary time out, each a JSON 503 that a
-            # client sends again; then it works on the new one.
-            body = {"name": "after", "categoryId": 1}
-            after = retried(lambda: client.post("/v1/pets", json=body, headers=auth))
-            after = after.get_json()["id"]
-            # Every pooled connection to the old primary dropped, and the instance has asked the
-            # new one who it is (failover.py).
-            while retried(lambda: client.get(f"/v1/pets/{kept}", headers=auth)).status_code != 200:
-                pass
-            time.sleep(failover.CONFIRM_EVERY)
-            timeline = sent_back("timeline")
-            assert retried(lambda: client.get(f"/v1/pets/{lost}", headers=auth)).status_code == 404
-            shown = {pet["id"]: pet["name"] for pet in pages(client, auth)}
-            assert shown.get(after) == "after"
-            assert shown.get(lost) != "lost"
-            assert sent_back("timeline") >= timeline + 2
-        finally:
-            primary.thaw()
-    finally:
-        for standby in primary.standbys:
-            standby.stop()
-        primary.stop()
+        promoted.promote()
+        # The instance's connections to the old primary time out, each a JSON 503 that a client
+        # sends again; then it works on the new one.
+        body = {"name": "after", "categoryId": 1}
+        after = retried(lambda: client.post("/v1/pets", json=body, headers=auth))
+        after = after.get_json()["id"]
+        # Every pooled connection to the old primary dropped, and the instance has asked the new
+        # one who it is (failover.py).
+        while retried(lambda: client.get(f"/v1/pets/{kept}", headers=auth)).status_code != 200:
+            pass
+        time.sleep(failover.CONFIRM_EVERY)
+        timeline = sent_back("timeline")
+        assert retried(lambda: client.get(f"/v1/pets/{lost}", headers=auth)).status_code == 404
+        shown = {pet["id"]: pet["name"] for pet in pages(client, auth)}
+        assert shown.get(after) == "after"
+        assert shown.get(lost) != "lost"
+        assert sent_back("timeline") >= timeline + 2
 
 
 def test_a_standby_left_behind_that_received_more_than_the_promoted_one_serves_no_read(make_app):
@@ -671,28 +682,12 @@ def test_a_standby_left_behind_that_received_more_than_the_promoted_one_serves_n
     # more than the promoted one had, as the instance saw both while no primary answered. Here it
     # received a creation the promoted one never had (a failover to the wrong standby): once the
     # instance works on the new primary, no read is served by it, by id or in a page.
-    primary = start_own_cluster(replication="sync")
-    try:
-        url = primary.create_database("store")
-        migrate_to_head(url)
-        promoted, left = primary.standby(), primary.standby()
-        hosts = f"{promoted.host_port},{primary.host_port}"
-        app = make_app(
-            promoted,
-            left,
-            DATABASE_URL=f"postgresql://postgres@{hosts}/store?target_session_attrs=read-write",
-        )
-        client = app.test_client()
-        with app.app_context():
-            _, key = issue_key("left behind")
-            db.session.commit()
-        auth = {"Authorization": f"Bearer {key}"}
+    with two_standbys_one_to_promote(make_app, "sync", True) as shape:
+        primary, promoted, _, client, auth = shape
         kept = create(client, auth, "kept")
         promoted.wait_for_replay()
-        # Cut off: the other standby is the synchronous one from then on (FIRST 1).
-        promoted.sql("ALTER SYSTEM SET primary_conninfo = ''; SELECT pg_reload_conf();")
-        while promoted.sql("SELECT count(*) FROM pg_stat_wal_receiver").strip() != "0":
-            time.sleep(0.05)
+        # The other standby is the synchronous one from then on (FIRST 1).
+        cut_off(promoted)
         lost = create(client, auth, "lost")
         primary.kill()
         # Without the primary the instance asks both standbys what they received, and shows the
@@ -712,11 +707,6 @@ def test_a_standby_left_behind_that_received_more_than_the_promoted_one_serves_n
         assert shown.get(lost) != "lost"
         assert shown.get(after.get_json()["id"]) == "after"
         assert reads("standby") == on_standby
-    finally:
-        for standby in primary.standbys:
-            standby.stop()
-        primary.kill()
-        primary.stop()
 
 
 def retried(send, within=60):
