@@ -38,7 +38,7 @@ IN_SQLITE_PASS = pytest.mark.skipif(
 # "K/N": run the K-th of N shares of the test modules (every N-th, by path), for CI, which runs
 # the pass without TEST_DATABASE_URL as two such processes at once beside the other pass: each
 # spends most of its time waiting on the servers it starts. Unset: every module.
-SHARD = os.environ.get("TEST_SHARD")
+SHARD = os.environ.get("ANIMAL_STORE_TEST_SHARD")
 
 
 def pytest_collection_modifyitems(config, items):
