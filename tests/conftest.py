@@ -27,28 +27,18 @@ from animal_store.extensions import db
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL")
 
 # A test whose subject is not the database (nginx, gunicorn's side, Redis, Prometheus, a browser)
-# proves the same on either, so it runs in one of the suite's two passes (docs/development.rst):
-# the pass without TEST_DATABASE_URL, which also runs every test that starts PostgreSQL clusters
-# of its own, and which CI splits in two processes (SHARD, below); the other pass skips it,
-# saying where it runs.
+# proves the same on either, so it runs in one of the suite's two passes (docs/development.rst),
+# chosen so that CI's passes, which run at once, take about as long: the other pass skips it,
+# saying where it runs. The pass without TEST_DATABASE_URL also runs every test that starts
+# PostgreSQL clusters of its own.
 IN_SQLITE_PASS = pytest.mark.skipif(
     bool(TEST_DATABASE_URL),
     reason="not about the database: runs in the pass without TEST_DATABASE_URL",
 )
-# "K/N": run the K-th of N shares of the test modules (every N-th, by path), for CI, which runs
-# the pass without TEST_DATABASE_URL as two such processes at once beside the other pass: each
-# spends most of its time waiting on the servers it starts. Unset: every module.
-SHARD = os.environ.get("ANIMAL_STORE_TEST_SHARD")
-
-
-def pytest_collection_modifyitems(config, items):
-    if not SHARD:
-        return
-    number, count = (int(part) for part in SHARD.split("/"))
-    modules = sorted({item.path for item in items})
-    mine = set(modules[number - 1 :: count])
-    config.hook.pytest_deselected(items=[item for item in items if item.path not in mine])
-    items[:] = [item for item in items if item.path in mine]
+IN_POSTGRESQL_PASS = pytest.mark.skipif(
+    not TEST_DATABASE_URL,
+    reason="not about the database: runs in the pass with TEST_DATABASE_URL",
+)
 
 
 def migrate_to_head(database_url):

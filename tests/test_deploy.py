@@ -23,7 +23,7 @@ import psycopg
 import pytest
 import requests
 import sqlalchemy as sa
-from conftest import IN_SQLITE_PASS, TEST_DATABASE_URL, Gunicorn
+from conftest import IN_POSTGRESQL_PASS, TEST_DATABASE_URL, Gunicorn
 from flask import Flask
 from nginx_server import NGINX, Nginx
 from pgbouncer_server import PGBOUNCER, PgBouncer
@@ -171,7 +171,7 @@ def test_missing_key_through_nginx_is_the_apps_401(edge, session):
     assert response.json()["code"] == "unauthorized"
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 @pytest.mark.parametrize("host", ["evil.example", "a@evil.example", ""])
 def test_links_through_nginx_are_on_the_public_url_whatever_the_host(
     start_gunicorn, start_nginx, session, auth, host
@@ -217,7 +217,7 @@ def test_client_address_is_nginxs_peer_not_a_spoofed_header(edge, session):
     assert line["remote_addr"] == "127.0.0.1"
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_request_id_round_trip(start_gunicorn, start_nginx, session, auth):
     gunicorn = start_gunicorn(workers=1)
     nginx = start_nginx([address(gunicorn)])
@@ -234,7 +234,7 @@ def test_request_id_round_trip(start_gunicorn, start_nginx, session, auth):
     assert [line["request_id"] for line in access_log] == sent
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_log_lines_are_json_and_never_hold_the_key(start_gunicorn, start_nginx, session, api_key):
     gunicorn = start_gunicorn(workers=1)
     nginx = start_nginx([address(gunicorn)])
@@ -538,7 +538,7 @@ def test_largest_body_nginx_allows_reaches_the_app(edge, session):
     assert response.status_code == 201
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_stopped_upstream_is_a_json_502(start_gunicorn, start_nginx, http, auth):
     gunicorn = start_gunicorn(workers=1)
     nginx = start_nginx([address(gunicorn)])
@@ -548,7 +548,7 @@ def test_stopped_upstream_is_a_json_502(start_gunicorn, start_nginx, http, auth)
     assert response.headers["Retry-After"] == "5"
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_silent_upstream_is_a_json_504(start_nginx, http, auth):
     # Accepts connections (the kernel's backlog) and never answers, like a hung instance.
     with socket.create_server(("127.0.0.1", 0)) as silent:

@@ -13,14 +13,14 @@ import sys
 import textwrap
 
 import pytest
-from conftest import IN_SQLITE_PASS
+from conftest import IN_POSTGRESQL_PASS
 
 from animal_store import create_app
 from animal_store.extensions import db
 
 # Checked without importing it: the generator runs in child processes only.
 pytestmark = [
-    IN_SQLITE_PASS,
+    IN_POSTGRESQL_PASS,
     pytest.mark.skipif(
         importlib.util.find_spec("openapi_python_client") is None,
         reason="openapi-python-client is not installed (pip install -e '.[test]')",

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gunicorn
 import pytest
 import requests
-from conftest import IN_SQLITE_PASS, PROJECT_DIR, break_release, copy_release, free_port
+from conftest import IN_POSTGRESQL_PASS, PROJECT_DIR, break_release, copy_release, free_port
 from test_settings import EVERY_KIND_OF_BAD_SETTING, EVERY_KIND_SAID
 
 GUNICORN = (sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app")
@@ -71,7 +71,7 @@ def test_writes_from_several_workers_all_land(start_gunicorn, api_key, count_pet
     assert count_pets() == 200
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_command_line_workers_override_the_config(start_gunicorn):
     server = start_gunicorn(workers=3)
     # Serving means one worker is up; the others may still be forking.
@@ -134,7 +134,7 @@ def test_app_imports_without_gunicorn(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
     # gunicorn's default would put it in the service user's home: the checkout, in docs/deploy.rst.
     home = tmp_path / "home"
@@ -151,7 +151,7 @@ def test_control_socket_is_off_unless_a_path_is_given(start_gunicorn, tmp_path):
     assert list(home.iterdir()) == []
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
     start_gunicorn, api_key, slow_insert
 ):
@@ -179,7 +179,7 @@ def test_a_slow_request_does_not_hold_up_one_an_idle_worker_can_serve(
             assert quick < slow.result()
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_the_metrics_directory_it_made_is_removed_when_it_stops(start_gunicorn, tmp_path, auth):
     temporary = tmp_path / "tmp"
     temporary.mkdir()
@@ -193,7 +193,7 @@ def test_the_metrics_directory_it_made_is_removed_when_it_stops(start_gunicorn, 
     assert list(temporary.iterdir()) == []
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_metrics_directory_it_was_given_is_kept(start_gunicorn, tmp_path):
     given = tmp_path / "metrics"
     given.mkdir()
@@ -271,7 +271,7 @@ def test_an_unimportable_release_stops_the_boot_with_its_import_error_once(tmp_p
     assert errors[0]["exception"].splitlines()[-1] == said
 
 
-@IN_SQLITE_PASS  # not about the database (conftest.py)
+@IN_POSTGRESQL_PASS  # not about the database (conftest.py)
 def test_a_reload_onto_an_unimportable_release_says_its_import_error_once_a_worker(
     start_gunicorn, tmp_path
 ):

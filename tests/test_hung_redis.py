@@ -11,14 +11,14 @@ import time
 
 import pytest
 import requests
-from conftest import IN_SQLITE_PASS
+from conftest import IN_POSTGRESQL_PASS
 from prometheus_client import REGISTRY
 from test_rate_limits import bearer, synced
 
 from animal_store import default_settings
 from animal_store.access.rate_limits import MAX_RETRY_INTERVAL
 
-pytestmark = IN_SQLITE_PASS
+pytestmark = IN_POSTGRESQL_PASS
 
 # Recovery as the issue asks it: shared counts within 5 s of Redis answering again.
 RECOVERY = 5.0

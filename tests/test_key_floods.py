@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import IN_SQLITE_PASS, free_port
+from conftest import IN_POSTGRESQL_PASS, free_port
 from test_hung_redis import metric
 from test_rate_limits import bearer
 
@@ -23,7 +23,7 @@ from animal_store import errors
 
 # Rate limits in Redis and nginx's caps: a made-up key costs the database one look-up, the same on
 # either (conftest.py).
-pytestmark = IN_SQLITE_PASS
+pytestmark = IN_POSTGRESQL_PASS
 
 BUDGET = 20
 FLOOD = 160

@@ -34,13 +34,13 @@ import pytest
 import requests
 import sqlalchemy as sa
 import yaml
-from conftest import IN_SQLITE_PASS
+from conftest import IN_POSTGRESQL_PASS
 from nginx_server import PROJECT_DIR, free_port, stop_process, wait_for_port
 from promql import metric_names
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
-    IN_SQLITE_PASS,
+    IN_POSTGRESQL_PASS,
     pytest.mark.skipif(
         PROMETHEUS is None, reason="prometheus is not installed (Debian: prometheus)"
     ),

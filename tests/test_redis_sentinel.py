@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import requests
-from conftest import IN_SQLITE_PASS, Gunicorn
+from conftest import IN_POSTGRESQL_PASS, Gunicorn
 from nginx_server import PROJECT_DIR, free_port
 from redis_sentinel_cluster import REDIS_SENTINEL, REDIS_SERVER, SentinelCluster, sentinel_timings
 from test_rate_limits import bearer
@@ -22,7 +22,7 @@ from animal_store.access.auth import issue_key
 from animal_store.extensions import db
 
 pytestmark = [
-    IN_SQLITE_PASS,
+    IN_POSTGRESQL_PASS,
     pytest.mark.skipif(
         REDIS_SENTINEL is None or REDIS_SERVER is None,
         reason="redis-server and redis-sentinel are not installed (Debian: redis-sentinel)",

@@ -22,11 +22,11 @@ import time
 
 import pytest
 import requests
-from conftest import IN_SQLITE_PASS
+from conftest import IN_POSTGRESQL_PASS
 
 from animal_store import default_settings, errors
 
-pytestmark = IN_SQLITE_PASS
+pytestmark = IN_POSTGRESQL_PASS
 
 PHASE_SECONDS = float(os.environ.get("SLOW_CLIENTS_PHASE_SECONDS", "10"))
 HEAD_DEADLINE = default_settings.REQUEST_HEADER_TIMEOUT

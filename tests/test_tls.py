@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from conftest import IN_SQLITE_PASS
+from conftest import IN_POSTGRESQL_PASS
 from nginx_server import NGINX, SHIPPED_CONFIG, free_port
 
 pytestmark = [
-    IN_SQLITE_PASS,
+    IN_POSTGRESQL_PASS,
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: nginx)"),
 ]
 
