@@ -513,8 +513,9 @@ def test_patroni_the_synchronous_standbys_machine_lost_silently_stops_creations_
     assert not {pet["id"] for pet in load.acknowledged} - set(stored(cluster))
     ttl, loop = TEST_TIMINGS["ttl"], TEST_TIMINGS["loop_wait"]
     # Its key's ttl (up to a loop_wait less: a refresh is skipped within loop_wait of the last),
-    # a loop, and the client's retry.
-    assert ttl - loop < gap < ttl + 2 * loop + 5
+    # a loop, and the client's retry: seen 9.5 and 9.8 s with the tests' timings, and 23.2 s in
+    # CI's busiest minutes; never the loop alone that a killed machine costs (1 to 1.4 s).
+    assert ttl - loop < gap < 3 * ttl + 10
 
 
 def test_patroni_files_are_run_as_shipped_but_for_addresses_ports_paths_and_timings():
